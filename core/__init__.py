@@ -1,0 +1,6 @@
+"""nanovllm: offline batch LLM inference."""
+from nanovllm.engine.llm_engine import LLM, RequestOutput
+from nanovllm.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "__version__"]

@@ -1,0 +1,47 @@
+"""Reference attention over the paged KV cache in plain PyTorch: the CPU path and the oracle for the kernels."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from nanovllm.attention.metadata import AttentionMetadata
+
+
+def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep]
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep]
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float) -> torch.Tensor:
+    """q: [num_tokens, num_heads, head_dim]; reads every sequence's whole context from the cache, causal."""
+    block_size = k_cache.shape[1]
+    num_kv_heads = k_cache.shape[2]
+    out = torch.empty_like(q)
+    starts = meta.query_start_loc.tolist()
+    for i, seq_len in enumerate(meta.seq_lens.tolist()):
+        q_start, q_end = starts[i], starts[i + 1]
+        positions = torch.arange(seq_len, device=q.device)
+        slots = meta.block_tables[i, positions // block_size].long() * block_size + positions % block_size
+        k = k_cache.view(-1, num_kv_heads, k_cache.shape[-1])[slots]
+        v = v_cache.view(-1, num_kv_heads, v_cache.shape[-1])[slots]
+        num_q = q_end - q_start
+        query_positions = positions[seq_len - num_q:]
+        mask = positions.unsqueeze(0) <= query_positions.unsqueeze(1)
+        out[q_start:q_end] = F.scaled_dot_product_attention(
+            q[q_start:q_end].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale,
+            enable_gqa=True,
+        ).transpose(0, 1)
+    return out
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+        return paged_attention(q, k_cache, v_cache, meta, scale)

@@ -1,0 +1,88 @@
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"auto", "float32", "float16", "bfloat16"}
+_LOAD_FORMATS = {"auto", "dummy"}
+_ATTENTION_BACKENDS = {None, "torch", "triton", "flash-attn"}
+
+
+@dataclass
+class EngineConfig:
+    """Engine arguments, named as in vLLM. `LLM(**kwargs)` builds one through `from_kwargs`."""
+
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    # The CPU has no memory profile to size the cache from: the budget is this explicit size.
+    cpu_kv_cache_bytes: int = 1 << 30
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False
+    tensor_parallel_size: int = 1
+    load_format: str = "auto"
+    async_scheduling: bool = False
+    attention_backend: str | None = None
+    device: str | None = None
+    seed: int = 0
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        config = cls(**kwargs)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        def check(ok: bool, name: str, why: str) -> None:
+            if not ok:
+                raise ValueError(f"engine argument {name}={getattr(self, name)!r}: {why}")
+
+        def positive_int(name: str, optional: bool = False) -> None:
+            value = getattr(self, name)
+            if optional and value is None:
+                return
+            check(isinstance(value, int) and not isinstance(value, bool) and value > 0, name, "must be a positive integer")
+
+        check(self.dtype in _DTYPES, "dtype", f"must be one of {sorted(_DTYPES)}")
+        positive_int("max_model_len", optional=True)
+        positive_int("max_num_seqs")
+        positive_int("max_num_batched_tokens")
+        positive_int("block_size")
+        check(self.block_size & (self.block_size - 1) == 0, "block_size", "must be a power of two")
+        positive_int("num_kv_blocks", optional=True)
+        positive_int("cpu_kv_cache_bytes")
+        positive_int("tensor_parallel_size")
+        check(isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1,
+              "gpu_memory_utilization", "must be in (0, 1]")
+        check(self.load_format in _LOAD_FORMATS, "load_format", f"must be one of {sorted(_LOAD_FORMATS)}")
+        check(self.attention_backend in _ATTENTION_BACKENDS, "attention_backend",
+              f"must be one of {sorted(b for b in _ATTENTION_BACKENDS if b)}")
+        check(self.device in (None, "cpu", "cuda"), "device", "must be 'cpu' or 'cuda'")
+        check(isinstance(self.seed, int), "seed", "must be an integer")
+        if self.async_scheduling:
+            raise ValueError("engine argument async_scheduling=True: the async step loop is not implemented yet")
+        if self.tensor_parallel_size != 1:
+            raise ValueError(f"engine argument tensor_parallel_size={self.tensor_parallel_size}: "
+                             "tensor parallelism is not implemented yet; use 1")
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("engine argument device='cuda' but no CUDA device is available")
+        name = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(name)
+
+    def resolve_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype != "auto":
+            return getattr(torch, self.dtype)
+        # fp32 on the CPU: it is the reference path, and CPU bf16 matmuls are slow.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -1,0 +1,179 @@
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+import xxhash
+
+from nanovllm.engine.sequence import Sequence
+
+NO_HASH = -1
+
+
+def compute_block_hash(prefix_hash: int, token_ids: list[int]) -> int:
+    """Chained hash of a full block: xxh64(prefix hash as 8 bytes || token ids as int64)."""
+    h = xxhash.xxh64()
+    if prefix_hash != NO_HASH:
+        h.update(prefix_hash.to_bytes(8, "little"))
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return h.intdigest()
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int = NO_HASH
+    token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class PrefixCacheStats:
+    lookups: int = 0  # sequences whose prompt was looked up
+    queried_tokens: int = 0  # prompt tokens looked up
+    hit_tokens: int = 0  # of those, tokens served from the cache
+    shared_blocks: int = 0  # hits on a block another running sequence holds
+    resurrected_blocks: int = 0  # hits on a freed block that still had its hash
+    evictions: int = 0  # hashed free blocks handed out for new content
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+
+class BlockManager:
+    """Owns the physical KV blocks: allocation, ref counts and the prefix cache (DESIGN §3-4).
+
+    A block is either free (in `free_blocks`, FIFO: the oldest freed block is reused first) or used. Freed
+    blocks keep their hash, so a later request can take them back until they are handed out again.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, hash_fn=compute_block_hash):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.hash_fn = hash_fn
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.used_blocks: set[int] = set()
+        self.hash_to_block: dict[int, int] = {}
+        self.stats = PrefixCacheStats()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    @property
+    def usage(self) -> float:
+        return len(self.used_blocks) / self.num_blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- prefix lookup and allocation -------------------------------------------------------------------
+
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids holding the longest cached prefix of `seq`'s full blocks (no side effects)."""
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        prefix_hash = NO_HASH
+        for start in range(0, seq.num_tokens - self.block_size + 1, self.block_size):
+            token_ids = seq.token_ids[start:start + self.block_size]
+            prefix_hash = self.hash_fn(prefix_hash, token_ids)
+            block_id = self.hash_to_block.get(prefix_hash)
+            if block_id is None or self.blocks[block_id].token_ids != token_ids:
+                break
+            hits.append(block_id)
+        return hits
+
+    def num_blocks_to_admit(self, seq: Sequence, hits: list[int], num_new_tokens: int) -> int:
+        """Free blocks consumed by admitting `seq` with `hits` and computing `num_new_tokens` after them."""
+        num_cached = self.cached_tokens_for(seq, hits)
+        fresh = self.blocks_for(num_cached + num_new_tokens) - len(hits)
+        resurrected = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        return max(fresh, 0) + resurrected
+
+    def admit(self, seq: Sequence, hits: list[int]) -> None:
+        """Give `seq` its prefix-cache hits; sets `num_cached_tokens` (at least one token is left to compute)."""
+        assert not seq.block_table, "sequence already holds blocks"
+        for block_id in hits:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_blocks[block_id]
+                self.used_blocks.add(block_id)
+                self.stats.resurrected_blocks += 1
+            else:
+                self.stats.shared_blocks += 1
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+        seq.num_shared_kv_tokens = len(hits) * self.block_size
+        seq.num_hashed_blocks = len(hits)
+        seq.num_cached_tokens = self.cached_tokens_for(seq, hits)
+        if self.enable_prefix_caching:
+            self.stats.lookups += 1
+            self.stats.queried_tokens += seq.num_tokens
+            self.stats.hit_tokens += seq.num_cached_tokens
+        if seq.num_prefix_hit_tokens is None:
+            seq.num_prefix_hit_tokens = seq.num_cached_tokens
+
+    def cached_tokens_for(self, seq: Sequence, hits: list[int]) -> int:
+        # A fully cached prompt still needs its last token computed to get logits.
+        return min(len(hits) * self.block_size, seq.num_tokens - 1)
+
+    def num_blocks_to_grow(self, seq: Sequence, num_tokens: int) -> int:
+        return max(self.blocks_for(num_tokens) - len(seq.block_table), 0)
+
+    def grow(self, seq: Sequence, num_tokens: int) -> None:
+        """Append fresh blocks until `seq` has slots for its first `num_tokens` tokens."""
+        for _ in range(self.num_blocks_to_grow(seq, num_tokens)):
+            seq.block_table.append(self._take_free_block())
+
+    def _take_free_block(self) -> int:
+        if not self.free_blocks:
+            raise RuntimeError("out of KV blocks: the scheduler must check capacity first")
+        block_id, _ = self.free_blocks.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash != NO_HASH:
+            if self.hash_to_block.get(block.hash) == block_id:
+                del self.hash_to_block[block.hash]
+            self.stats.evictions += 1
+        block.hash = NO_HASH
+        block.token_ids = []
+        block.ref_count = 1
+        self.used_blocks.add(block_id)
+        return block_id
+
+    def free(self, seq: Sequence) -> None:
+        """Release `seq`'s blocks. Tail blocks go first into the queue, so they are evicted first."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.used_blocks.remove(block_id)
+                self.free_blocks[block_id] = None
+        seq.block_table = []
+        seq.num_cached_tokens = 0
+        seq.num_shared_kv_tokens = 0
+        seq.num_hashed_blocks = 0
+
+    # ---- hashing as blocks fill ----------------------------------------------------------------------------
+
+    def commit_computed_blocks(self, seq: Sequence, num_known_tokens: int | None = None) -> None:
+        """Hash every block of `seq` whose tokens are all computed (prefill chunks and decode alike).
+
+        `num_known_tokens` caps what counts as computed (the async loop passes the committed count).
+        """
+        if not self.enable_prefix_caching:
+            return
+        limit = seq.num_cached_tokens if num_known_tokens is None else num_known_tokens
+        num_full = min(limit // self.block_size, len(seq.block_table))
+        for index in range(seq.num_hashed_blocks, num_full):
+            block = self.blocks[seq.block_table[index]]
+            prefix_hash = self.blocks[seq.block_table[index - 1]].hash if index else NO_HASH
+            token_ids = seq.token_ids[index * self.block_size:(index + 1) * self.block_size]
+            block.hash = self.hash_fn(prefix_hash, token_ids)
+            block.token_ids = token_ids
+            self.hash_to_block.setdefault(block.hash, block.block_id)
+        seq.num_hashed_blocks = max(seq.num_hashed_blocks, num_full)

@@ -1,0 +1,44 @@
+from __future__ import annotations
+
+from nanovllm.engine.sequence import Sequence
+
+
+class StopStringDetector:
+    """Detokenizes the output of sequences that have stop strings, a few tokens at a time, and finds the stops.
+
+    Decoding a window that starts a few tokens back keeps word boundaries right; text is released only once it
+    no longer ends in an incomplete UTF-8 character."""
+
+    CONTEXT_TOKENS = 5
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.state: dict[int, tuple[str, int, int]] = {}  # seq_id -> (text so far, prefix offset, read offset)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def check(self, seq: Sequence) -> bool:
+        """Advance `seq`'s text by its newest tokens; True when a stop string appeared (sets `stop_text_len`)."""
+        text, prefix, read = self.state.get(
+            seq.seq_id, ("", max(seq.num_prompt_tokens - self.CONTEXT_TOKENS, 0), seq.num_prompt_tokens))
+        ids = seq.token_ids
+        before = self._decode(ids[prefix:read])
+        after = self._decode(ids[prefix:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            new_text = after[len(before):]
+            searched_from = len(text)
+            text += new_text
+            prefix, read = read, len(ids)
+            for stop in seq.params.stop:
+                index = text.find(stop, max(searched_from - len(stop) + 1, 0))
+                if index >= 0 and (seq.stop_text_len is None or index < seq.stop_text_len):
+                    seq.stop_text_len = index
+        self.state[seq.seq_id] = (text, prefix, read)
+        return seq.stop_text_len is not None
+
+    def text(self, seq: Sequence) -> str:
+        return self.state[seq.seq_id][0]
+
+    def forget(self, seq: Sequence) -> None:
+        self.state.pop(seq.seq_id, None)

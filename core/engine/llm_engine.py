@@ -1,0 +1,221 @@
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from collections.abc import Sequence as SequenceLike
+from dataclasses import dataclass
+
+from nanovllm.config import EngineConfig
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.detokenizer import StopStringDetector
+from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.sequence import Sequence
+from nanovllm.loaders import resolve_model
+from nanovllm.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str | None  # None when the model has no tokenizer
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" | "length" | "error"
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens served by the prefix cache
+    error: str | None = None
+    arrival_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+
+class LLM:
+    """Offline batch generation: `generate`/`chat` for whole batches, or `add_request` + `step` to stream."""
+
+    def __init__(self, model: str | None = None, **engine_args):
+        self.config = EngineConfig.from_kwargs(**engine_args)
+        resolved = resolve_model(model, self.config.load_format)
+        self.model_name = resolved.name
+        self.hf_config = resolved.hf_config
+        self.tokenizer = None
+        if resolved.tokenizer_dir is not None:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(str(resolved.tokenizer_dir))
+        self.max_model_len = self._max_model_len()
+        self.runner = ModelRunner(self.config, resolved, self.max_model_len)
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, self.config.block_size,
+                                          self.config.enable_prefix_caching)
+        capacity = self.runner.num_kv_blocks * self.config.block_size
+        if capacity < self.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {self.runner.num_kv_blocks} blocks = {capacity} tokens, less than one sequence of "
+                f"max_model_len={self.max_model_len}: lower max_model_len, or raise gpu_memory_utilization / "
+                "num_kv_blocks (cpu_kv_cache_bytes on the CPU)")
+        self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens,
+                                   self.max_model_len, self._eos_token_ids())
+        self.stop_strings = StopStringDetector(self.tokenizer)
+        self._seed_rng = random.Random(self.config.seed)
+        self._seq_ids = itertools.count()
+
+    def _max_model_len(self) -> int:
+        limit = self.hf_config.max_position_embeddings
+        if self.config.max_model_len is None:
+            return limit
+        if self.config.max_model_len > limit:
+            raise ValueError(f"engine argument max_model_len={self.config.max_model_len} exceeds the model's "
+                             f"max_position_embeddings={limit}")
+        return self.config.max_model_len
+
+    def _eos_token_ids(self) -> set[int]:
+        ids = self.hf_config.eos_token_id
+        eos = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        return eos
+
+    # ---- request-level API -------------------------------------------------------------------------------------
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"model {self.model_name!r} has no tokenizer: pass token ids, not text")
+            return self.tokenizer(prompt).input_ids
+        if not isinstance(prompt, SequenceLike) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise ValueError("a prompt must be a string or a list of integer token ids")
+        bad = [t for t in prompt if not 0 <= t < self.hf_config.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.hf_config.vocab_size})")
+        return list(prompt)
+
+    def apply_chat_template(self, conversation: list[dict]) -> list[int]:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"model {self.model_name!r} has no chat template")
+        if not isinstance(conversation, list) or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in conversation) or not conversation:
+            raise ValueError("a conversation must be a non-empty list of {'role': str, 'content': str} messages")
+        text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    prompt_token_ids: list[int] | None = None) -> str:
+        """Queue one request; raises ValueError (and queues nothing) when the request is invalid or can never fit."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError("sampling params must be a SamplingParams")
+        token_ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        seq_id = next(self._seq_ids)
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        seq = Sequence(seq_id, str(seq_id) if request_id is None else request_id, token_ids, params, seed,
+                       prompt if isinstance(prompt, str) else None)
+        error = self.scheduler.capacity_error(seq)
+        if error:
+            raise ValueError(error)
+        self.scheduler.add(seq)
+        return seq.request_id
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """One schedule -> execute -> postprocess step; returns the requests that finished in it."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        inputs = self.runner.prepare(batch)
+        sampled = self.runner.execute(inputs).tolist()
+        for seq in self.scheduler.postprocess(batch, sampled):
+            if not seq.is_finished and seq.params.stop and self.stop_strings.check(seq):
+                self.scheduler.finish(seq, "stop")
+        return [self._output(seq) for seq in batch.seqs if seq.is_finished]
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        seq.finish_time = time.perf_counter()
+        text = None
+        if self.tokenizer is not None:
+            if seq.stop_text_len is not None:
+                text = self.stop_strings.text(seq)[:seq.stop_text_len]
+            else:
+                text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        self.stop_strings.forget(seq)
+        return RequestOutput(
+            request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens],
+            text=text, token_ids=seq.output_token_ids, finish_reason=seq.finish_reason,
+            num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_prefix_hit_tokens or 0,
+            arrival_time=seq.arrival_time, first_token_time=seq.first_token_time, finish_time=seq.finish_time)
+
+    # ---- batch API -----------------------------------------------------------------------------------------------
+
+    def generate(self, prompts: Prompt | list[Prompt],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """One output per prompt, in order. An invalid prompt gets an output with `error` set; the rest run."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return self._run_batch([(p, None) for p in prompts], sampling_params)
+
+    def chat(self, conversations: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Like `generate`, each conversation rendered through the tokenizer's chat template."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        items = []
+        for conversation in conversations:
+            try:
+                items.append((None, self.apply_chat_template(conversation)))
+            except ValueError as exc:
+                items.append((exc, None))
+        return self._run_batch(items, sampling_params)
+
+    def _run_batch(self, items: list[tuple], sampling_params) -> list[RequestOutput]:
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(items)
+        if len(sampling_params) != len(items):
+            raise ValueError(f"got {len(sampling_params)} sampling params for {len(items)} prompts")
+        outputs: dict[str, RequestOutput] = {}
+        request_ids = []
+        for index, ((prompt, token_ids), params) in enumerate(zip(items, sampling_params)):
+            request_id = f"batch-{next(self._seq_ids)}"
+            request_ids.append(request_id)
+            try:
+                if isinstance(prompt, Exception):
+                    raise prompt
+                self.add_request(prompt, params, request_id, prompt_token_ids=token_ids)
+            except ValueError as exc:
+                outputs[request_id] = RequestOutput(request_id, prompt if isinstance(prompt, str) else None, [],
+                                                    None, [], "error", 0, 0, error=f"prompt {index}: {exc}")
+        while self.has_unfinished_requests():
+            for output in self.step():
+                outputs[output.request_id] = output
+        return [outputs[r] for r in request_ids]
+
+    def get_metrics(self) -> dict:
+        stats = self.block_manager.stats
+        return {
+            "num_kv_blocks": self.block_manager.num_blocks,
+            "block_size": self.block_manager.block_size,
+            "kv_cache_usage": self.block_manager.usage,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_cache": {
+                "lookups": stats.lookups, "queried_tokens": stats.queried_tokens, "hit_tokens": stats.hit_tokens,
+                "hit_rate": stats.hit_rate, "shared_blocks": stats.shared_blocks,
+                "resurrected_blocks": stats.resurrected_blocks, "evictions": stats.evictions,
+            },
+        }
+
+    def exit(self) -> None:
+        """Release the engine (tensor-parallel workers, when there are any)."""
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.exit()

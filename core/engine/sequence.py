@@ -1,0 +1,73 @@
+from __future__ import annotations
+
+import time
+from enum import Enum, auto
+
+from nanovllm.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    """One request's tokens and its place in the paged KV cache.
+
+    `num_cached_tokens` counts the leading tokens whose KV is computed and stored; the next step computes
+    tokens from there on. Positions below `num_shared_kv_tokens` lie in prefix-cache blocks that are already
+    complete, so their KV must not be written again (it happens only when a whole prompt hits the cache and its
+    last token is recomputed for its logits).
+    """
+
+    def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 sampling_seed: int, prompt: str | None = None):
+        self.seq_id = seq_id
+        self.request_id = request_id
+        self.prompt = prompt
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.sampling_seed = sampling_seed
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.num_cached_tokens = 0
+        self.num_shared_kv_tokens = 0
+        self.num_hashed_blocks = 0
+        self.num_prefix_hit_tokens: int | None = None  # prompt tokens served by the prefix cache, first admission
+        self.num_preemptions = 0
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.stop_text_len: int | None = None  # output text is cut here when a stop string matched
+        self.arrival_time = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_cached_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        if self.first_token_time is None:
+            self.first_token_time = time.perf_counter()

@@ -1,0 +1,95 @@
+"""Linear layers that shard across tensor-parallel ranks. Each parameter carries a `weight_loader` that takes the
+full checkpoint tensor (or one packed part of it) and copies this rank's slice."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanovllm.distributed import all_reduce, tp_rank, tp_size
+
+
+def _divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{what}={numerator} is not divisible by tensor_parallel_size={denominator}")
+    return numerator // denominator
+
+
+class LinearBase(nn.Module):
+    """y = x W^T + b with W of shape [output_size, input_size]; `shard_dim` is the dim split across ranks."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, shard_dim: int | None):
+        super().__init__()
+        self.shard_dim = shard_dim
+        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if self.shard_dim is not None and not (param.dim() == 1 and self.shard_dim == 1):
+            size = param.shape[self.shard_dim]
+            loaded = loaded.narrow(self.shard_dim, tp_rank() * size, size)
+        param.data.copy_(loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(input_size, output_size, bias, shard_dim=None)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks; each rank returns its slice."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(input_size, _divide(output_size, tp_size(), "output features"), bias, shard_dim=0)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input packed into one matmul (e.g. gate and up)."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+        world = tp_size()
+        offset = sum(self.output_sizes[:shard_id]) // world
+        size = self.output_sizes[shard_id] // world
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, tp_rank() * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections packed into one matmul, split by heads across ranks."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
+        world = tp_size()
+        self.head_dim = head_dim
+        self.num_heads = _divide(num_heads, world, "num_attention_heads")
+        self.num_kv_heads = _divide(num_kv_heads, world, "num_key_value_heads")
+        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, tp_rank() * size, size))
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks; partial products are summed with an all-reduce."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(_divide(input_size, tp_size(), "input features"), output_size, bias, shard_dim=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The bias is added once, after the reduction.
+        y = F.linear(x, self.weight)
+        y = all_reduce(y)
+        return y + self.bias if self.bias is not None else y

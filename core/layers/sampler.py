@@ -1,0 +1,84 @@
+"""Token sampling: greedy, or temperature + top-k + top-p + min-p followed by an exponential race.
+
+The race picks argmax(p_i / E_i) with E_i ~ Exp(1), which draws i with probability p_i. The E_i come from a
+counter-based hash of (request seed, output index, vocabulary index), so a request's tokens depend only on its
+own seed and position — never on what else is in the batch, the batch order, or the step loop."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+
+
+def _signed(value: int) -> int:
+    value &= _MASK64
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_GOLDEN = _signed(0x9E3779B97F4A7C15)
+_MIX1 = _signed(0xBF58476D1CE4E5B9)
+_MIX2 = _signed(0x94D049BB133111EB)
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 values (torch's >> is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser: a bijection of 64-bit words with good avalanche (int64 arithmetic wraps)."""
+    x = x ^ _shift_right(x, 30)
+    x = x * _MIX1
+    x = x ^ _shift_right(x, 27)
+    x = x * _MIX2
+    return x ^ _shift_right(x, 31)
+
+
+def exponential_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Exp(1) samples of shape [batch, vocab], a pure function of (seed, position, vocabulary index)."""
+    row_keys = _mix(seeds * _GOLDEN + positions)
+    vocab = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
+    bits = _mix(row_keys.unsqueeze(1) + vocab * _GOLDEN)
+    uniform = (_shift_right(bits, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1)
+    return -torch.log(uniform)
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling settings of one step, already on the device."""
+
+    temperatures: torch.Tensor  # float32 [batch]; 0 = greedy
+    top_k: torch.Tensor  # int64 [batch]; vocab size = off
+    top_p: torch.Tensor  # float32 [batch]; 1 = off
+    min_p: torch.Tensor  # float32 [batch]; 0 = off
+    seeds: torch.Tensor  # int64 [batch]
+    positions: torch.Tensor  # int64 [batch]: index of the output token being drawn
+    all_greedy: bool
+    any_filter: bool
+
+
+def filtered_probs(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Softmax at each row's temperature, then top-k, top-p (on the top-k renormalised mass) and min-p masks."""
+    probs = torch.softmax(logits / t.temperatures.clamp_min(1e-5).unsqueeze(1), dim=-1)
+    if not t.any_filter:
+        return probs
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(probs.shape[1], device=probs.device)
+    drop = rank.unsqueeze(0) >= t.top_k.unsqueeze(1)
+    kept = sorted_probs.masked_fill(drop, 0.0)
+    mass_before = (kept.cumsum(dim=-1) - kept) / kept.sum(dim=-1, keepdim=True)
+    drop |= mass_before >= t.top_p.unsqueeze(1)  # the most likely token always survives (its mass_before is 0)
+    drop |= sorted_probs < t.min_p.unsqueeze(1) * sorted_probs[:, :1]
+    return torch.zeros_like(probs).scatter_(1, order, sorted_probs.masked_fill(drop, 0.0))
+
+
+def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """logits: float32 [batch, vocab] -> token ids int64 [batch]."""
+    greedy = logits.argmax(dim=-1)
+    if t.all_greedy:
+        return greedy
+    probs = filtered_probs(logits, t)
+    raced = (probs / exponential_noise(t.seeds, t.positions, logits.shape[1])).argmax(dim=-1)
+    return torch.where(t.temperatures == 0, greedy, raced)

