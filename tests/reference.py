@@ -1,0 +1,31 @@
+"""Independent references: HF transformers' own model implementations."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def load_hf_model(directory: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
+
+
+@torch.inference_mode()
+def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy continuation of each prompt by the HF model, ignoring EOS (one prompt at a time, no padding)."""
+    outputs = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        generated = []
+        past = None
+        next_input = ids
+        for _ in range(max_new_tokens):
+            out = model(input_ids=next_input, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            token = int(out.logits[0, -1].argmax())
+            generated.append(token)
+            next_input = torch.tensor([[token]])
+        outputs.append(generated)
+    return outputs
