@@ -1,0 +1,103 @@
+import pytest
+
+from nanovllm import LLM, SamplingParams
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_num_seqz=3), "unknown engine argument"),
+    (dict(block_size=24), "power of two"),
+    (dict(max_num_seqs=0), "positive integer"),
+    (dict(dtype="float8"), "dtype"),
+    (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+    (dict(load_format="pt"), "load_format"),
+    (dict(async_scheduling=True), "async"),
+    (dict(tensor_parallel_size=2), "tensor parallelism"),
+])
+def test_invalid_engine_arguments_raise_value_error(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LLM("tiny-qwen3", **kwargs)
+
+
+def test_unknown_model_is_a_clear_error():
+    with pytest.raises(ValueError, match="neither a .gguf file"):
+        LLM("no-such-model")
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(temperature=-1), dict(top_p=0), dict(top_k=-5), dict(min_p=2), dict(max_tokens=0), dict(stop=[""]),
+    dict(stop_token_ids=[-1]), dict(seed="x"),
+])
+def test_invalid_sampling_params_raise_value_error(kwargs):
+    with pytest.raises(ValueError, match="SamplingParams"):
+        SamplingParams(**kwargs)
+
+
+def test_kv_budget_below_one_sequence_says_what_to_change():
+    with pytest.raises(ValueError, match="lower max_model_len"):
+        LLM("tiny-qwen3", num_kv_blocks=4, block_size=16, max_model_len=256)
+
+
+def test_dummy_preset_generates_token_ids_in_order_with_per_prompt_errors():
+    llm = LLM("tiny-qwen3", num_kv_blocks=32, max_model_len=256)
+    outputs = llm.generate([[1, 2, 3], "text needs a tokenizer", [], [9] * 300, [4, 5]],
+                           SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    assert [len(o.token_ids) for o in outputs] == [3, 0, 0, 0, 3]
+    assert outputs[1].finish_reason == "error" and "prompt 1" in outputs[1].error and "tokenizer" in outputs[1].error
+    assert "empty" in outputs[2].error
+    assert "max_model_len" in outputs[3].error
+    assert outputs[0].prompt_token_ids == [1, 2, 3] and outputs[4].prompt_token_ids == [4, 5]
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.add_request([1, 10**6])
+
+
+def test_request_level_api_streams_finished_requests():
+    llm = LLM("tiny-qwen3", num_kv_blocks=32, max_model_len=256)
+    llm.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), request_id="short")
+    llm.add_request([4, 5, 6], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), request_id="long")
+    finished_at = {}
+    steps = 0
+    while llm.has_unfinished_requests():
+        steps += 1
+        for output in llm.step():
+            finished_at[output.request_id] = steps
+    assert finished_at == {"short": 2, "long": 5}
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    return LLM(None, max_model_len=512, num_kv_blocks=64)
+
+
+def test_chat_and_generate_text(smollm):
+    greedy = SamplingParams(temperature=0, max_tokens=12)
+    chat = smollm.chat([{"role": "user", "content": "What is the capital of France?"}], greedy)[0]
+    assert "Paris" in chat.text
+    plain = smollm.generate("The capital of France is", greedy)[0]
+    assert plain.prompt == "The capital of France is" and plain.num_prompt_tokens == len(plain.prompt_token_ids)
+    assert plain.text == smollm.tokenizer.decode(plain.token_ids, skip_special_tokens=True)
+    bad = smollm.chat([[{"role": "user"}]], greedy)[0]
+    assert bad.finish_reason == "error" and "role" in bad.error
+
+
+def test_stop_string_truncates_text_and_finishes(smollm):
+    prompt = "Once upon a time, in a quiet village by the sea,"
+    full = smollm.generate(prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0]
+    words = full.text.split()
+    stop = words[len(words) // 2]
+    cut = full.text.index(stop)
+    stopped = smollm.generate(prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop]))[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == full.text[:cut]
+    assert stopped.token_ids == full.token_ids[:len(stopped.token_ids)]
+    assert len(stopped.token_ids) < len(full.token_ids)
+
+
+def test_stop_token_ids_and_eos(smollm):
+    prompt = "Once upon a time, in a quiet village by the sea,"
+    full = smollm.generate(prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0]
+    stop_id = full.token_ids[5]
+    first = full.token_ids.index(stop_id)
+    stopped = smollm.generate(prompt, SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_id]))[0]
+    assert stopped.finish_reason == "stop" and stopped.token_ids == full.token_ids[:first + 1]
+    answered = smollm.chat([{"role": "user", "content": "Say hi."}], SamplingParams(temperature=0, max_tokens=200))[0]
+    assert answered.finish_reason == "stop" and answered.token_ids[-1] == smollm.tokenizer.eos_token_id
