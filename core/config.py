@@ -69,8 +69,6 @@ class EngineConfig:
               f"must be one of {sorted(b for b in _ATTENTION_BACKENDS if b)}")
         check(self.device in (None, "cpu", "cuda"), "device", "must be 'cpu' or 'cuda'")
         check(isinstance(self.seed, int), "seed", "must be an integer")
-        if self.async_scheduling:
-            raise ValueError("engine argument async_scheduling=True: the async step loop is not implemented yet")
         if self.tensor_parallel_size != 1:
             raise ValueError(f"engine argument tensor_parallel_size={self.tensor_parallel_size}: "
                              "tensor parallelism is not implemented yet; use 1")

@@ -10,7 +10,6 @@ from nanovllm import LLM, SamplingParams
     (dict(dtype="float8"), "dtype"),
     (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
     (dict(load_format="pt"), "load_format"),
-    (dict(async_scheduling=True), "async"),
     (dict(tensor_parallel_size=2), "tensor parallelism"),
 ])
 def test_invalid_engine_arguments_raise_value_error(kwargs, message):

@@ -12,6 +12,8 @@ from nanovllm.engine.detokenizer import StopStringDetector
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.stats import EngineStats
+from nanovllm.engine.step_loop import StepLoop
 from nanovllm.loaders import resolve_model
 from nanovllm.sampling_params import SamplingParams
 
@@ -60,6 +62,8 @@ class LLM:
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                    self.max_model_len, self._eos_token_ids())
         self.stop_strings = StopStringDetector(self.tokenizer)
+        self.loop = StepLoop(self.scheduler, self.runner, self._new_stats(), self.config.async_scheduling,
+                             self._check_stop_strings)
         self._seed_rng = random.Random(self.config.seed)
         self._seq_ids = itertools.count()
 
@@ -124,22 +128,40 @@ class LLM:
         return seq.request_id
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.loop.has_work()
 
     def step(self) -> list[RequestOutput]:
-        """One schedule -> execute -> postprocess step; returns the requests that finished in it."""
-        batch = self.scheduler.schedule()
-        if not batch:
-            return []
-        inputs = self.runner.prepare(batch)
-        sampled = self.runner.execute(inputs).tolist()
-        for seq in self.scheduler.postprocess(batch, sampled):
+        """One iteration of the step loop; returns the requests that finished in it."""
+        finished = self.loop.step()
+        started = time.perf_counter()
+        outputs = [self._output(seq) for seq in finished]
+        self.stats.detokenize_s += time.perf_counter() - started
+        return outputs
+
+    def _check_stop_strings(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
             if not seq.is_finished and seq.params.stop and self.stop_strings.check(seq):
                 self.scheduler.finish(seq, "stop")
-        return [self._output(seq) for seq in batch.seqs if seq.is_finished]
+
+    @property
+    def stats(self) -> EngineStats:
+        return self.loop.stats
+
+    def _new_stats(self) -> EngineStats:
+        return EngineStats(device=self.runner.device.type, overlap=self.config.async_scheduling)
+
+    def reset_stats(self) -> None:
+        """Start a new measurement (e.g. after a warm-up)."""
+        self.loop.stats = self._new_stats()
+
+    def get_stats(self) -> dict:
+        """Timing and throughput of the steps run since the engine started or `reset_stats`."""
+        return self.stats.summary()
 
     def _output(self, seq: Sequence) -> RequestOutput:
         seq.finish_time = time.perf_counter()
+        self.stats.record_finished(seq.num_prompt_tokens, seq.num_output_tokens, seq.arrival_time,
+                                   seq.first_token_time, seq.finish_time)
         text = None
         if self.tokenizer is not None:
             if seq.stop_text_len is not None:

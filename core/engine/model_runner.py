@@ -21,6 +21,16 @@ class StepInputs:
     sampling: SamplingTensors
 
 
+@dataclass
+class StepHandle:
+    """A launched step: sampled ids on the device, their pinned host copy, timing events, the copy's event."""
+
+    sampled: torch.Tensor
+    host: torch.Tensor | None
+    timing: tuple[torch.cuda.Event, torch.cuda.Event] | None
+    ready: torch.cuda.Event | None
+
+
 class ModelRunner:
     """Executes scheduled batches: builds the model, owns the KV cache, prepares inputs, runs forward + sampling."""
 
@@ -111,16 +121,26 @@ class ModelRunner:
 
     # ---- one step ----------------------------------------------------------------------------------------------
 
-    def prepare(self, batch: ScheduledBatch) -> StepInputs:
+    def prepare(self, batch: ScheduledBatch, previous: StepHandle | None = None) -> StepInputs:
+        """Device inputs for `batch`. A position past a sequence's known tokens is the token that the previous
+        (still running) step samples for it: its id is gathered on the device from that step's output."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         query_start = [0]
         seq_lens: list[int] = []
+        placeholder_rows: list[int] = []  # rows of input_ids to take from the previous step's samples
+        placeholder_sources: list[int] = []
         block_size = self.block_size
-        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
-            start, end = seq.num_cached_tokens, seq.num_cached_tokens + num_new
-            input_ids.extend(seq.token_ids[start:end])
+        for seq, num_new, start, source in zip(batch.seqs, batch.num_new_tokens, batch.start_positions,
+                                               batch.placeholder_sources):
+            end = start + num_new
+            known = seq.token_ids[start:end]
+            if source >= 0:  # only ever the last token of a decode, sampled by the step in flight
+                placeholder_rows.append(len(input_ids) + len(known))
+                placeholder_sources.append(source)
+                known = known + [0]
+            input_ids.extend(known)
             positions.extend(range(start, end))
             table = seq.block_table
             slots.extend(-1 if p < seq.num_shared_kv_tokens else table[p // block_size] * block_size + p % block_size
@@ -130,9 +150,15 @@ class ModelRunner:
         max_blocks = max(len(seq.block_table) for seq in batch.seqs)
         tables = [seq.block_table + [-1] * (max_blocks - len(seq.block_table)) for seq in batch.seqs]
 
-        def tensor(data, dtype):
-            return torch.tensor(data, dtype=dtype, device=self.device)
+        pin = self.device.type == "cuda"
 
+        def tensor(data, dtype):
+            # Pinned + non_blocking: the copy is queued on the stream and never waits for the step in flight.
+            return torch.tensor(data, dtype=dtype, pin_memory=pin).to(self.device, non_blocking=True)
+
+        ids = tensor(input_ids, torch.int64)
+        if placeholder_rows:
+            ids[tensor(placeholder_rows, torch.int64)] = previous.sampled[tensor(placeholder_sources, torch.int64)]
         meta = AttentionMetadata(
             slot_mapping=tensor(slots, torch.int64),
             query_start_loc=tensor(query_start, torch.int32),
@@ -148,16 +174,42 @@ class ModelRunner:
             top_p=tensor([p.top_p for p in params], torch.float32),
             min_p=tensor([p.min_p for p in params], torch.float32),
             seeds=tensor([seq.sampling_seed for seq in batch.seqs], torch.int64),
-            positions=tensor([seq.num_output_tokens for seq in batch.seqs], torch.int64),
+            # index of the output token each row draws (pending tokens of the step in flight come first)
+            positions=tensor([seq.num_output_tokens + seq.num_pending_tokens - 1 for seq in batch.seqs],
+                             torch.int64),
             all_greedy=all(p.temperature == 0 for p in params),
             any_filter=any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params),
         )
-        return StepInputs(tensor(input_ids, torch.int64), tensor(positions, torch.int64), meta,
-                          tensor(query_start[1:], torch.int64) - 1, sampling)
+        return StepInputs(ids, tensor(positions, torch.int64), meta, tensor(query_start[1:], torch.int64) - 1,
+                          sampling)
 
     @torch.inference_mode()
-    def execute(self, inputs: StepInputs) -> torch.Tensor:
-        """Forward + sampling; returns the sampled token ids (int64, on the device) without waiting for them."""
+    def execute(self, inputs: StepInputs) -> StepHandle:
+        """Launch forward + sampling and return at once (on the CPU the work is done by the time it returns).
+
+        The sampled ids are copied to pinned host memory behind an event; `wait` blocks on that event only."""
+        if self.device.type == "cpu":
+            return StepHandle(self._forward_and_sample(inputs), None, None, None)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        sampled = self._forward_and_sample(inputs)
+        end.record()
+        host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
+        host.copy_(sampled, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return StepHandle(sampled, host, (start, end), ready)
+
+    def _forward_and_sample(self, inputs: StepInputs) -> torch.Tensor:
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()
         return sample(logits, inputs.sampling)
+
+    @staticmethod
+    def wait(handle: StepHandle) -> tuple[list[int], float | None]:
+        """The step's sampled ids, and its device time in seconds (None on the CPU)."""
+        if handle.ready is None:
+            return handle.sampled.tolist(), None
+        handle.ready.synchronize()
+        start, end = handle.timing
+        return handle.host.tolist(), start.elapsed_time(end) / 1000

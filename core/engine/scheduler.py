@@ -9,14 +9,34 @@ from nanovllm.engine.sequence import Sequence, SequenceStatus
 
 @dataclass
 class ScheduledBatch:
-    """What one step computes: for each sequence, the next `num_new_tokens` of its uncomputed tokens."""
+    """What one step computes: for each sequence, `num_new_tokens` tokens from `start_positions`.
+
+    `samples[i]` says whether the chunk reaches the end of the sequence, so that its sampled token is an output
+    token (a prefill chunk short of the end samples nothing useful). `placeholder_sources[i]` is the row, in the
+    step still in flight, whose sample is this chunk's last input token (-1 when all its inputs are known).
+    `epochs` identify the sequences' state at scheduling time: a sequence preempted since then has another epoch
+    and this step's results for it are void."""
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
+    start_positions: list[int] = field(default_factory=list)
+    samples: list[bool] = field(default_factory=list)
+    epochs: list[int] = field(default_factory=list)
+    placeholder_sources: list[int] = field(default_factory=list)
 
     def add(self, seq: Sequence, num_new_tokens: int) -> None:
+        start = seq.num_scheduled_tokens
+        samples = start + num_new_tokens == seq.num_effective_tokens
+        self.placeholder_sources.append(seq.last_sample_index if start + num_new_tokens > seq.num_tokens else -1)
         self.seqs.append(seq)
         self.num_new_tokens.append(num_new_tokens)
+        self.start_positions.append(start)
+        self.samples.append(samples)
+        self.epochs.append(seq.epoch)
+        seq.num_inflight_tokens += num_new_tokens
+        if samples:
+            seq.num_pending_tokens += 1
+            seq.last_sample_index = len(self.seqs) - 1
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -32,7 +52,10 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    """Decides which tokens each step computes, under a token budget and the KV blocks available (DESIGN §5)."""
+    """Decides which tokens each step computes, under a token budget and the KV blocks available (DESIGN §5).
+
+    It plans from each sequence's effective state (committed + in flight), so the async loop can schedule step
+    N+1 before step N's tokens are known; `postprocess` commits steps in the order they were scheduled."""
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, eos_token_ids: set[int]):
@@ -44,6 +67,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last one is preempted first
         self.num_preemptions = 0
+        self.finished: list[Sequence] = []  # finished since the last take_finished()
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -70,17 +94,19 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         preemptions_before = self.num_preemptions
-        scheduled: list[Sequence] = []
-        while self.running and budget > 0:
-            seq = self.running.pop(0)
-            num_new = min(seq.num_uncomputed_tokens, budget)
-            if not self._make_room(seq, seq.num_cached_tokens + num_new):
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            if seq.num_effective_tokens >= self.max_len_of(seq):
+                index += 1  # its last token is already in flight: nothing more to compute
+                continue
+            num_new = min(seq.num_effective_tokens - seq.num_scheduled_tokens, budget)
+            if not self._make_room(seq, seq.num_scheduled_tokens + num_new):
                 break
-            self.block_manager.grow(seq, seq.num_cached_tokens + num_new)
+            self.block_manager.grow(seq, seq.num_scheduled_tokens + num_new)
             batch.add(seq, num_new)
             budget -= num_new
-            scheduled.append(seq)
-        self.running = scheduled + self.running
+            index += 1
         preempted = self.num_preemptions != preemptions_before
 
         # Admitting new work right after a preemption would only thrash the cache.
@@ -100,34 +126,45 @@ class Scheduler:
         return batch
 
     def _make_room(self, seq: Sequence, num_tokens: int) -> bool:
-        """Preempt the most recently admitted sequences until `seq` has blocks for `num_tokens` tokens.
+        """Preempt the most recently admitted running sequences until `seq` has blocks for `num_tokens` tokens.
 
-        Returns False when `seq` itself had to be preempted."""
+        Sequences admitted before `seq` are never victims; returns False when `seq` itself had to go."""
         while self.block_manager.num_blocks_to_grow(seq, num_tokens) > self.block_manager.num_free_blocks:
-            if not self.running:
-                self._preempt(seq)
+            victim = self.running.pop()
+            self._preempt(victim)
+            if victim is seq:
                 return False
-            self._preempt(self.running.pop())
         return True
 
     def _preempt(self, seq: Sequence) -> None:
-        """Free `seq`'s blocks and put it back at the head of the queue; it is recomputed later."""
+        """Free `seq`'s blocks and put it back at the head of the queue; it is recomputed from its known tokens.
+
+        In-flight steps may still write into the freed blocks; they run before any later step on the device, and
+        their results for `seq` are dropped (new epoch), so nothing they write is committed or hashed."""
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
+        seq.num_inflight_tokens = 0
+        seq.num_pending_tokens = 0
+        seq.epoch += 1
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
     def postprocess(self, batch: ScheduledBatch, sampled_token_ids: list[int]) -> list[Sequence]:
-        """Commit the computed tokens; append sampled tokens where a sequence's prompt is done.
+        """Commit one step (steps are committed in the order they were scheduled).
 
-        Returns the sequences that received a token (finished ones included)."""
+        Returns the sequences that received an output token (finished ones included)."""
         updated = []
-        for seq, num_new, token_id in zip(batch.seqs, batch.num_new_tokens, sampled_token_ids):
+        for seq, num_new, samples, epoch, token_id in zip(batch.seqs, batch.num_new_tokens, batch.samples,
+                                                           batch.epochs, sampled_token_ids):
+            if seq.epoch != epoch or seq.is_finished:
+                continue  # preempted or finished after this step was scheduled: its work here is void
+            seq.num_inflight_tokens -= num_new
             seq.num_cached_tokens += num_new
             self.block_manager.commit_computed_blocks(seq)
-            if seq.num_cached_tokens < seq.num_tokens:
-                continue  # a prefill chunk that does not reach the end of the prompt: its sample is meaningless
+            if not samples:
+                continue
+            seq.num_pending_tokens -= 1
             seq.append_token(token_id)
             updated.append(seq)
             reason = self.token_stop_reason(seq, token_id)
@@ -139,7 +176,7 @@ class Scheduler:
         params = seq.params
         if (not params.ignore_eos and token_id in self.eos_token_ids) or token_id in params.stop_token_ids:
             return "stop"
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        if seq.num_tokens >= self.max_len_of(seq):
             return "length"
         return None
 
@@ -148,3 +185,8 @@ class Scheduler:
         seq.finish_reason = reason
         self.block_manager.free(seq)
         self.running.remove(seq)
+        self.finished.append(seq)
+
+    def take_finished(self) -> list[Sequence]:
+        finished, self.finished = self.finished, []
+        return finished

@@ -15,10 +15,13 @@ class SequenceStatus(Enum):
 class Sequence:
     """One request's tokens and its place in the paged KV cache.
 
-    `num_cached_tokens` counts the leading tokens whose KV is computed and stored; the next step computes
-    tokens from there on. Positions below `num_shared_kv_tokens` lie in prefix-cache blocks that are already
-    complete, so their KV must not be written again (it happens only when a whole prompt hits the cache and its
-    last token is recomputed for its logits).
+    `num_cached_tokens` counts the leading tokens whose KV is computed and committed. Steps that are scheduled
+    but not yet postprocessed are "in flight": they compute `num_inflight_tokens` more, and those whose chunk
+    reaches the end of the sequence will each add one output token that is not known yet (`num_pending_tokens`).
+    The scheduler plans from the effective state (committed + in flight); in the sync loop both counts are 0 at
+    scheduling time. Positions below `num_shared_kv_tokens` lie in prefix-cache blocks that are already complete,
+    so their KV must not be written again (a whole prompt hit the cache and its last token is recomputed).
+    `epoch` changes on preemption, so the results of steps scheduled before it are recognised and dropped.
     """
 
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -35,6 +38,10 @@ class Sequence:
         self.num_cached_tokens = 0
         self.num_shared_kv_tokens = 0
         self.num_hashed_blocks = 0
+        self.num_inflight_tokens = 0
+        self.num_pending_tokens = 0
+        self.epoch = 0
+        self.last_sample_index = -1  # row of this sequence in the newest step that samples for it
         self.num_prefix_hit_tokens: int | None = None  # prompt tokens served by the prefix cache, first admission
         self.num_preemptions = 0
         self.finish_reason: str | None = None
@@ -62,6 +69,16 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_cached_tokens
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Tokens computed once every in-flight step completes."""
+        return self.num_cached_tokens + self.num_inflight_tokens
+
+    @property
+    def num_effective_tokens(self) -> int:
+        """Tokens the sequence has once every in-flight step's sample is appended."""
+        return len(self.token_ids) + self.num_pending_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -1,0 +1,85 @@
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from nanovllm.engine.model_runner import ModelRunner, StepHandle
+from nanovllm.engine.scheduler import ScheduledBatch, Scheduler
+from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.stats import EngineStats
+
+
+@dataclass
+class LaunchedStep:
+    batch: ScheduledBatch
+    handle: StepHandle
+    schedule_s: float
+    prepare_s: float
+    execute_s: float
+
+
+class StepLoop:
+    """The only place that orders schedule -> execute -> postprocess (DESIGN §1, §6).
+
+    Sync: each step is scheduled, launched, awaited and postprocessed before the next one.
+    Async (`overlap`): step N+1 is scheduled and launched before step N's tokens are awaited, so the host
+    postprocesses N and prepares N+2 while the device runs N+1. The scheduler plans from committed + in-flight
+    state, in-flight decodes feed their sampled ids to the next step on the device, and steps are committed in
+    the order they were launched. Both orders use the same scheduler, runner and postprocess."""
+
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, stats: EngineStats, overlap: bool,
+                 on_tokens: Callable[[list[Sequence]], None]):
+        self.scheduler = scheduler
+        self.runner = runner
+        self.stats = stats
+        self.overlap = overlap
+        self.on_tokens = on_tokens  # stop-string checks of sequences that just got a token
+        self.in_flight: LaunchedStep | None = None
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished() or self.in_flight is not None
+
+    def step(self) -> list[Sequence]:
+        """One iteration; returns the sequences that finished in it. The last in-flight step drains on the
+        iteration after the scheduler runs dry."""
+        started = time.perf_counter()
+        launched = self._launch(self.in_flight.handle if self.in_flight else None)
+        if self.overlap:
+            done, self.in_flight = self.in_flight, launched
+        else:
+            done = launched
+        finished = self._complete(done) if done else []
+        self.stats.wall_s += time.perf_counter() - started
+        return finished
+
+    def _launch(self, previous: StepHandle | None) -> LaunchedStep | None:
+        t0 = time.perf_counter()
+        preemptions_before = self.scheduler.num_preemptions
+        batch = self.scheduler.schedule()
+        self.stats.preemptions += self.scheduler.num_preemptions - preemptions_before
+        t1 = time.perf_counter()
+        if not batch:
+            return None
+        inputs = self.runner.prepare(batch, previous)
+        t2 = time.perf_counter()
+        handle = self.runner.execute(inputs)
+        t3 = time.perf_counter()
+        return LaunchedStep(batch, handle, t1 - t0, t2 - t1, t3 - t2)
+
+    def _complete(self, step: LaunchedStep) -> list[Sequence]:
+        t0 = time.perf_counter()
+        tokens, device_s = self.runner.wait(step.handle)
+        t1 = time.perf_counter()
+        updated = self.scheduler.postprocess(step.batch, tokens)
+        self.on_tokens(updated)
+        finished = self.scheduler.take_finished()
+        t2 = time.perf_counter()
+        batch = step.batch
+        prefill = sum(n for seq, n, start in zip(batch.seqs, batch.num_new_tokens, batch.start_positions)
+                      if n > 1 or start < seq.num_prompt_tokens)
+        self.stats.record_step(
+            schedule_s=step.schedule_s, prepare_s=step.prepare_s, execute_s=step.execute_s,
+            wait_s=t1 - t0, postprocess_s=t2 - t1, device_s=device_s, prefill_tokens=prefill,
+            decode_tokens=batch.num_tokens - prefill, batch_size=len(batch))
+        return finished

@@ -1,0 +1,1 @@
+"""Triton kernels of nanovllm (paged attention, KV-cache store)."""

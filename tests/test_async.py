@@ -1,0 +1,138 @@
+"""The async loop reorders the same engine: greedy outputs must equal the sync loop's (DESIGN §6)."""
+import pytest
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.scheduler import Scheduler
+from helpers import make_seq
+from test_engine_hf import CHATS, ENGINE_VARIANTS, TINY_PROMPTS
+
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+
+def run_both(model, prompts, params, **engine_args):
+    results = {}
+    for async_scheduling in (False, True):
+        llm = LLM(model, async_scheduling=async_scheduling, **engine_args)
+        outputs = llm.generate(prompts, params)
+        results[async_scheduling] = (outputs, llm)
+    return results
+
+
+@pytest.mark.parametrize("variant", ENGINE_VARIANTS)
+def test_async_equals_sync_tiny(variant, tiny_model_dirs):
+    both = run_both(str(tiny_model_dirs["qwen3"]), TINY_PROMPTS, GREEDY, max_model_len=256, num_kv_blocks=128,
+                    **ENGINE_VARIANTS[variant])
+    sync_out, async_out = both[False][0], both[True][0]
+    assert [o.token_ids for o in async_out] == [o.token_ids for o in sync_out]
+    # Hit counts may differ: the async loop commits (and hashes) a step's blocks one iteration later.
+
+
+def test_async_equals_sync_under_preemption(tiny_model_dirs):
+    both = run_both(str(tiny_model_dirs["llama"]), TINY_PROMPTS, GREEDY, max_model_len=160, num_kv_blocks=10)
+    assert both[True][1].get_stats()["preemptions"] > 0
+    assert [o.token_ids for o in both[True][0]] == [o.token_ids for o in both[False][0]]
+
+
+def test_async_equals_sync_with_seeded_sampling(tiny_model_dirs):
+    params = [SamplingParams(temperature=0.9, top_k=50, max_tokens=15, ignore_eos=True, seed=i) for i in range(6)]
+    both = run_both(str(tiny_model_dirs["qwen2"]), TINY_PROMPTS, params, max_model_len=256, num_kv_blocks=128,
+                    max_num_batched_tokens=64)
+    assert [o.token_ids for o in both[True][0]] == [o.token_ids for o in both[False][0]]
+
+
+@pytest.fixture(scope="module")
+def smollm_pair():
+    return {a: LLM(None, max_model_len=512, num_kv_blocks=64, async_scheduling=a) for a in (False, True)}
+
+
+def test_async_stops_one_step_late_like_sync(smollm_pair):
+    """EOS, stop ids, stop strings and max_tokens are known only after the next step is launched: the extra
+    token must be discarded and outputs equal the sync loop's."""
+    sync_llm, async_llm = smollm_pair[False], smollm_pair[True]
+    probe = sync_llm.generate("Once upon a time,", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0]
+    stop_word = probe.text.split()[4]
+    cases = [
+        ("Once upon a time,", SamplingParams(temperature=0, max_tokens=7)),
+        ("Once upon a time,", SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[probe.token_ids[3]])),
+        ("Once upon a time,", SamplingParams(temperature=0, max_tokens=30, stop=[stop_word])),
+        (None, SamplingParams(temperature=0, max_tokens=200)),  # ends with EOS
+    ]
+    for prompt, params in cases:
+        if prompt is None:
+            sync_out, async_out = sync_llm.chat(CHATS, params), async_llm.chat(CHATS, params)
+        else:
+            sync_out, async_out = sync_llm.generate(prompt, params), async_llm.generate(prompt, params)
+        assert [(o.token_ids, o.text, o.finish_reason) for o in async_out] == \
+               [(o.token_ids, o.text, o.finish_reason) for o in sync_out]
+    assert any(o.finish_reason == "stop" for o in sync_out)
+    assert not async_llm.has_unfinished_requests()
+    assert async_llm.block_manager.num_free_blocks == async_llm.block_manager.num_blocks
+
+
+def test_stats_invariants(smollm_pair):
+    for llm in smollm_pair.values():
+        llm.reset_stats()
+        outputs = llm.chat(CHATS, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+        stats = llm.get_stats()
+        assert stats["device"] == "cpu" and stats["overlap"] is False
+        assert stats["gpu_busy_s"] is None and stats["gpu_busy_frac"] is None and stats["gpu_idle_frac"] is None
+        assert stats["requests"] == len(CHATS)
+        assert stats["output_tokens"] == sum(len(o.token_ids) for o in outputs)
+        assert stats["prompt_tokens"] == sum(o.num_prompt_tokens for o in outputs)
+        phases = [stats[k] for k in ("cpu_schedule_s", "cpu_prepare_s", "cpu_execute_s", "cpu_wait_s",
+                                     "cpu_postprocess_s")]
+        assert all(p >= 0 for p in phases)
+        assert sum(phases) <= stats["wall_s"] * 1.001 + 1e-3
+        assert stats["output_tok_s"] == pytest.approx(stats["output_tokens"] / stats["wall_s"])
+        assert 0 <= stats["ttft_p50_s"] <= stats["ttft_p99_s"] <= stats["wall_s"]
+        assert stats["tpot_p50_s"] > 0
+
+
+# ---- unit tests of the in-flight state -------------------------------------------------------------------------
+
+def test_inflight_prefill_chunks_are_never_rescheduled():
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=4, max_num_batched_tokens=8, max_model_len=128,
+                      eos_token_ids={2})
+    seq = make_seq(list(range(10, 30)), max_tokens=4)  # 20 tokens: chunks [0,8) [8,16) [16,20)
+    sched.add(seq)
+    first = sched.schedule()
+    second = sched.schedule()  # step 1 still in flight
+    assert (first.start_positions, first.num_new_tokens, first.samples) == ([0], [8], [False])
+    assert (second.start_positions, second.num_new_tokens, second.samples) == ([8], [8], [False])
+    assert seq.num_cached_tokens == 0 and seq.num_inflight_tokens == 16
+    sched.postprocess(first, [0])
+    assert seq.num_cached_tokens == 8 and seq.num_inflight_tokens == 8
+    third = sched.schedule()
+    assert (third.start_positions, third.num_new_tokens, third.samples) == ([16], [4], [True])
+    assert seq.num_pending_tokens == 1
+    fourth = sched.schedule()  # decode of the token step 3 samples: a placeholder input
+    assert (fourth.start_positions, fourth.num_new_tokens, fourth.placeholder_sources) == ([20], [1], [0])
+    assert seq.num_pending_tokens == 2 and seq.num_effective_tokens == 22
+    sched.postprocess(second, [0])
+    sched.postprocess(third, [77])
+    assert seq.output_token_ids == [77] and seq.num_pending_tokens == 1 and seq.num_cached_tokens == 20
+
+
+def test_placeholder_reserves_a_slot_and_late_finish_is_discarded():
+    bm = BlockManager(64, 4)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128, eos_token_ids={2})
+    seq = make_seq([5, 6, 7, 8], max_tokens=10)
+    sched.add(seq)
+    prefill = sched.schedule()
+    decode = sched.schedule()  # placeholder at position 4 needs a second block
+    assert len(seq.block_table) == 2
+    sched.postprocess(prefill, [2])  # EOS: finished at step 1 while step 2 is in flight
+    assert seq.finish_reason == "stop" and bm.num_free_blocks == 64
+    sched.postprocess(decode, [9])  # step 2's extra token is discarded
+    assert seq.output_token_ids == [2]
+    assert sched.take_finished() == [seq] and not sched.has_unfinished()
+
+
+def test_max_tokens_known_ahead_is_not_scheduled_again():
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128,
+                      eos_token_ids={2})
+    seq = make_seq([5, 6, 7], max_tokens=1)
+    sched.add(seq)
+    sched.schedule()
+    assert not sched.schedule()  # its only output token is in flight: nothing to compute
