@@ -1,42 +1,35 @@
-"""The `nanovllm` command line. It talks to the engine only through the public Python API."""
+"""The `nanovllm` command line. It talks to the engine only through its public Python API.
+
+Each command lives in its own module; register a new one here with one import and one `app.command` line.
+"""
 from __future__ import annotations
 
-import json
-from pathlib import Path
+from importlib.metadata import version
+from typing import Annotated
 
 import typer
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="nanovllm: offline batch LLM inference.")
+from nanovllm_cli.inspect_cache import inspect_cache
+from nanovllm_cli.run_cmd import run
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="markdown",
+                  pretty_exceptions_show_locals=False,
+                  help="nanovllm: offline batch LLM inference. `nanovllm COMMAND --help` for each command.")
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"nanovllm {version('nanovllm')}")  # from the package metadata: no need to import torch
+        raise typer.Exit()
 
 
 @app.callback()
-def main() -> None:
+def main(
+    show_version: Annotated[bool | None, typer.Option(
+        "--version", help="Print the version and exit.", callback=_version, is_eager=True)] = None,
+) -> None:
     """nanovllm: offline batch LLM inference."""
 
 
-@app.command()
-def run(
-    input_path: Path = typer.Argument(..., help="JSONL file of {'id', 'prompt' | 'messages'} rows."),
-    output: Path | None = typer.Option(None, "-o", "--output", help="Output JSONL (default: INPUT-stem.results.jsonl)."),
-    model: str | None = typer.Option(None, help="Model: HF dir, .gguf file or preset (default: embedded SmolLM2)."),
-    max_tokens: int = typer.Option(64, help="Output tokens per row."),
-    temperature: float = typer.Option(0.0, help="Sampling temperature (0 = greedy)."),
-) -> None:
-    """Generate a completion for every row of INPUT."""
-    from nanovllm import LLM, SamplingParams
-
-    output = output or input_path.with_name(f"{input_path.stem}.results.jsonl")
-    rows = [json.loads(line) for line in input_path.read_text().splitlines() if line.strip()]
-    llm = LLM(model)
-    params = SamplingParams(temperature=temperature, max_tokens=max_tokens)
-    chats = [i for i, r in enumerate(rows) if "messages" in r]
-    plain = [i for i, r in enumerate(rows) if "messages" not in r]
-    results = dict(zip(chats, llm.chat([rows[i]["messages"] for i in chats], params))) if chats else {}
-    if plain:
-        results.update(zip(plain, llm.generate([rows[i]["prompt"] for i in plain], params)))
-    with open(output, "w") as f:
-        for i, row in enumerate(rows):
-            out = results[i]
-            f.write(json.dumps({"id": row.get("id", i), "text": out.text, "finish_reason": out.finish_reason,
-                                "error": out.error}) + "\n")
-    typer.echo(f"wrote {len(rows)} rows to {output}")
+app.command("run")(run)
+app.command("inspect-cache")(inspect_cache)

@@ -1,0 +1,141 @@
+"""What the user sees on stderr: a rich progress bar on a terminal, else a plain line every few seconds, and a
+summary table at the end. stdout stays free for `--json`."""
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+from rich.text import Text
+
+
+@dataclass
+class Snapshot:
+    rows_done: int  # including rows skipped because OUTPUT has them
+    rows_total: int
+    rows_failed: int
+    rows_per_s: float  # rows answered or failed by this run
+    output_tok_s: float
+    prefill_tok_s: float
+    kv_cache_usage: float
+    prefix_hit_rate: float
+    elapsed_s: float
+
+    @property
+    def eta_s(self) -> float | None:
+        return (self.rows_total - self.rows_done) / self.rows_per_s if self.rows_per_s > 0 else None
+
+    def figures(self) -> str:
+        return (f"{self.rows_failed} failed | out {self.output_tok_s:,.1f} tok/s | prefill {self.prefill_tok_s:,.1f} "
+                f"tok/s | kv {self.kv_cache_usage:.0%} | prefix hit {self.prefix_hit_rate:.0%} | "
+                f"eta {duration(self.eta_s)}")
+
+
+def duration(seconds: float | None) -> str:
+    if seconds is None or not math.isfinite(seconds):
+        return "?"
+    minutes, s = divmod(round(seconds), 60)
+    h, m = divmod(minutes, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s" if m else f"{s}s"
+
+
+class ProgressDisplay:
+    """Call `tick()` often; it redraws at most 4 times a second (terminal) or every `log_interval` s (plain).
+
+    On a terminal: a bar (rows done / total, elapsed) over a line of live figures."""
+
+    def __init__(self, snapshot: Callable[[], Snapshot], *, quiet: bool, log_interval: float,
+                 console: Console | None = None):
+        self.snapshot = snapshot
+        self.quiet = quiet
+        self.console = console or Console(stderr=True)
+        self.interval = 0.25 if self.console.is_terminal else log_interval
+        self.last = time.monotonic()
+        self.bar = Progress(TextColumn("[bold]rows"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                            console=self.console)
+        self.task = self.bar.add_task("rows", total=None)
+        self.figures = Text()
+        self.live: Live | None = None
+
+    def __enter__(self):
+        if not self.quiet and self.console.is_terminal:
+            self.live = Live(Group(self.bar, self.figures), console=self.console, refresh_per_second=4,
+                             redirect_stdout=False, redirect_stderr=False)
+            self.live.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.tick(force=True)
+        if self.live is not None:
+            self.live.stop()
+
+    def tick(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if self.quiet or (not force and now - self.last < self.interval):
+            return
+        self.last = now
+        snap = self.snapshot()
+        if self.live is not None:
+            self.bar.update(self.task, completed=snap.rows_done, total=snap.rows_total)
+            self.figures.plain = snap.figures()
+        else:
+            share = f" ({snap.rows_done / snap.rows_total:.0%})" if snap.rows_total else ""
+            print(f"[nanovllm] {snap.rows_done}/{snap.rows_total} rows{share} | {snap.figures()} | "
+                  f"elapsed {duration(snap.elapsed_s)}", file=sys.stderr, flush=True)
+
+
+def _fmt(value: object, unit: str = "") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.1f}{unit}" if abs(value) >= 100 else f"{value:,.3g}{unit}"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{value:,}{unit}"
+    return f"{value}{unit}"
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
+def summary_rows(summary: dict) -> list[tuple[str, str]]:
+    """The figures of the summary table; GPU figures only when the engine ran on a GPU (DESIGN §7)."""
+    engine = summary["engine"]
+    rows = [
+        ("output", f"{summary['output']} ({summary['output_format']})"),
+        ("model", summary["model"]),
+        ("rows ok / failed / skipped / total",
+         " / ".join(_fmt(summary[k]) for k in ("rows_ok", "rows_failed", "rows_skipped", "rows_total"))),
+        ("prompt tokens (cached)",
+         f"{_fmt(summary['prompt_tokens'])} ({_fmt(summary['cached_tokens'])}, {_pct(summary['prefix_hit_rate'])})"),
+        ("completion tokens", _fmt(summary["completion_tokens"])),
+        ("elapsed", f"{_fmt(summary['elapsed_s'], ' s')} ({_fmt(summary['rows_per_s'])} rows/s)"),
+        ("output / prefill tok/s (job)",
+         f"{_fmt(summary['output_tok_s'])} / {_fmt(summary['prefill_tok_s'])}"),
+        ("engine", f"{engine['device']}, {engine['loop']}, {engine['steps']:,} steps, {engine['preemptions']} preempted"),
+        ("output / prefill tok/s (engine steps)",
+         f"{_fmt(engine['output_tok_s'])} / {_fmt(engine['prefill_tok_s'])}"),
+        ("TTFT p50 / p99", f"{_fmt(engine['ttft_p50_s'], ' s')} / {_fmt(engine['ttft_p99_s'], ' s')}"),
+        ("TPOT p50 / p99", f"{_fmt(engine['tpot_p50_s'], ' s')} / {_fmt(engine['tpot_p99_s'], ' s')}"),
+        ("host schedule / prepare / postprocess", " / ".join(
+            _pct(engine[k]) for k in ("cpu_schedule_share", "cpu_prepare_share", "cpu_postprocess_share"))),
+    ]
+    if engine["gpu_busy_frac"] is not None:
+        rows.append(("GPU busy / idle", f"{_pct(engine['gpu_busy_frac'])} / {_pct(engine['gpu_idle_frac'])}"))
+    rows.append(("exit code", str(summary["exit_code"])))
+    return rows
+
+
+def print_summary(summary: dict, console: Console | None = None) -> None:
+    table = Table(title="nanovllm run", show_header=False, title_justify="left")
+    table.add_column("figure", style="bold")
+    table.add_column("value")
+    for label, value in summary_rows(summary):
+        table.add_row(label, value)
+    (console or Console(stderr=True)).print(table)

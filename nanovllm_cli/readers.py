@@ -1,0 +1,85 @@
+"""Input files, read one row at a time: JSONL (one JSON value per line) or Parquet (one row per table row).
+
+Rows come out as (row number counting from 1, parsed value); a JSONL line that is not JSON comes out as
+`InvalidJson`, so that it becomes an error record like any other bad row. Blank lines are skipped but still
+counted, so row numbers are line numbers.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+FORMATS = ("jsonl", "parquet")
+_SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet"}
+
+
+@dataclass
+class InvalidJson:
+    message: str
+
+
+def detect_format(path: Path, override: str | None) -> str:
+    """'jsonl' or 'parquet': `override` when given, else from the suffix."""
+    if override is not None:
+        if override not in FORMATS:
+            raise ValueError(f"--input-format must be one of {', '.join(FORMATS)}, not {override!r}")
+        return override
+    fmt = _SUFFIXES.get(path.suffix.lower())
+    if fmt is None:
+        raise ValueError(f"cannot tell the format of {path.name} from its suffix: use --input-format jsonl|parquet")
+    return fmt
+
+
+def _drop_nulls(value: object) -> object:
+    """Parquet gives every row every column: a null is an absent field."""
+    if isinstance(value, dict):
+        return {k: _drop_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_drop_nulls(v) for v in value]
+    return value
+
+
+def iter_rows(path: Path, fmt: str) -> Iterator[tuple[int, object]]:
+    if fmt == "jsonl":
+        with open(path, "rb") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    yield number, json.loads(line)
+                except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+                    yield number, InvalidJson(f"invalid JSON: {exc}")
+        return
+    import pyarrow.parquet as pq
+
+    number = 0
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+        for row in batch.to_pylist():
+            number += 1
+            yield number, _drop_nulls(row)
+
+
+def count_rows(path: Path, fmt: str) -> int:
+    """Rows in the input (for the progress bar): non-blank lines, or the Parquet metadata's count."""
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(path).metadata.num_rows
+    with open(path, "rb") as f:
+        return sum(1 for line in f if line.strip())
+
+
+def first_object(path: Path, fmt: str, limit: int = 100) -> dict | None:
+    """The first row that is a JSON object (within `limit` rows): it decides the output's layout."""
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        return dict.fromkeys(pq.ParquetFile(path).schema_arrow.names)
+    for index, (_, value) in enumerate(iter_rows(path, fmt)):
+        if isinstance(value, dict):
+            return value
+        if index >= limit:
+            break
+    return None

@@ -1,0 +1,109 @@
+"""Output records, one per input row: plain result rows, or OpenAI batch output lines for OpenAI input.
+
+Plain: {"id", "text", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "error"}
+(+ "prompt_token_ids", "token_ids" with --include-token-ids); a failed row has finish_reason "error".
+OpenAI: {"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}, where body is a
+chat.completion or text_completion object with "usage", or {"error": {...}} for a failed row.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+
+from nanovllm import RequestOutput
+
+from nanovllm_cli.rows import RowError, RowRequest
+
+PLAIN_FIELDS = ("id", "text", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "error")
+TOKEN_ID_FIELDS = ("prompt_token_ids", "token_ids")
+OPENAI_FIELDS = ("id", "custom_id", "response", "error")
+
+
+@dataclass(frozen=True)
+class RecordLayout:
+    """The shape of the records: what the writers need to know."""
+
+    openai: bool
+    include_token_ids: bool = False
+
+    @property
+    def id_key(self) -> str:
+        return "custom_id" if self.openai else "id"
+
+    def arrow_schema(self):
+        """Parquet columns. OpenAI's nested response and error objects are stored as JSON text."""
+        import pyarrow as pa
+
+        if self.openai:
+            return pa.schema([(name, pa.string()) for name in OPENAI_FIELDS])
+        types = {"prompt_tokens": pa.int64(), "completion_tokens": pa.int64(), "cached_tokens": pa.int64()}
+        fields = [(name, types.get(name, pa.string())) for name in PLAIN_FIELDS]
+        if self.include_token_ids:
+            fields += [(name, pa.list_(pa.int64())) for name in TOKEN_ID_FIELDS]
+        return pa.schema(fields)
+
+    def parquet_row(self, record: dict) -> dict:
+        if not self.openai:
+            return record
+        return {k: v if v is None or isinstance(v, str) else json.dumps(v, ensure_ascii=False)
+                for k, v in record.items()}
+
+
+def _random_id(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex[:24]}"
+
+
+@dataclass(frozen=True)
+class RecordBuilder:
+    layout: RecordLayout
+    model: str
+
+    def result(self, request: RowRequest, output: RequestOutput) -> dict:
+        if output.error:
+            return self.error(RowError(request.id, request.where, output.error, request.endpoint),
+                              len(request.token_ids), status_code=500)
+        completion = len(output.token_ids)
+        if not self.layout.openai:
+            record = {"id": request.id, "text": output.text, "finish_reason": output.finish_reason,
+                      "prompt_tokens": output.num_prompt_tokens, "completion_tokens": completion,
+                      "cached_tokens": output.num_cached_tokens, "error": None}
+            if self.layout.include_token_ids:
+                record.update(prompt_token_ids=output.prompt_token_ids, token_ids=output.token_ids)
+            return record
+        chat = request.endpoint != "completions"
+        choice = {"index": 0, "logprobs": None, "finish_reason": output.finish_reason}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": output.text}
+        else:
+            choice["text"] = output.text
+        if self.layout.include_token_ids:
+            choice["token_ids"] = output.token_ids
+        body = {
+            "id": _random_id("chatcmpl-" if chat else "cmpl-"),
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": self.model,
+            "choices": [choice],
+            "usage": {"prompt_tokens": output.num_prompt_tokens, "completion_tokens": completion,
+                      "total_tokens": output.num_prompt_tokens + completion,
+                      "prompt_tokens_details": {"cached_tokens": output.num_cached_tokens}},
+        }
+        return {"id": _random_id("batch_req_"), "custom_id": request.id,
+                "response": {"status_code": 200, "request_id": _random_id("req_"), "body": body}, "error": None}
+
+    def error(self, error: RowError, prompt_tokens: int = 0, status_code: int = 400) -> dict:
+        """400: the row is invalid; 500: the engine failed on a valid row."""
+        if not self.layout.openai:
+            record = {"id": error.id, "text": None, "finish_reason": "error", "prompt_tokens": prompt_tokens,
+                      "completion_tokens": 0, "cached_tokens": 0, "error": error.message}
+            if self.layout.include_token_ids:
+                record.update(prompt_token_ids=None, token_ids=None)
+            return record
+        code = "invalid_request" if status_code == 400 else "server_error"
+        kind = "invalid_request_error" if status_code == 400 else "server_error"
+        body = {"error": {"message": error.message, "type": kind, "param": None, "code": code}}
+        return {"id": _random_id("batch_req_"), "custom_id": error.id,
+                "response": {"status_code": status_code, "request_id": _random_id("req_"), "body": body},
+                "error": {"code": code, "message": error.message}}

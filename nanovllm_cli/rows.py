@@ -1,0 +1,201 @@
+"""One input row -> a request to run, or an error naming the row and the problem. No engine needed.
+
+Row forms: {"id", "prompt": str}, {"id", "messages": [{"role", "content"}, ...]}, {"id", "prompt_token_ids":
+[int, ...]}, and OpenAI batch request lines {"custom_id", "method": "POST", "url": "/v1/chat/completions" |
+"/v1/completions", "body": {...}}. Sampling fields of the row (top level or in "sampling_params"; in the body
+for OpenAI lines) override the command-line defaults.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import xxhash
+from nanovllm import SamplingParams
+
+from nanovllm_cli.readers import InvalidJson
+
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "seed",
+                   "ignore_eos")
+_NUMBER_FIELDS = ("temperature", "top_p", "min_p")
+PROMPT_KEYS = {"prompt": "prompt", "messages": "messages", "prompt_token_ids": "token_ids"}
+OPENAI_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+# OpenAI body key -> SamplingParams field; max_completion_tokens comes after max_tokens, so it wins.
+OPENAI_SAMPLING_KEYS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens",
+                        "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                        "stop": "stop", "stop_token_ids": "stop_token_ids", "seed": "seed",
+                        "ignore_eos": "ignore_eos"}
+
+
+@dataclass
+class RowRequest:
+    """A row that can go to the engine once tokenized."""
+
+    id: str
+    where: str  # "line 7" (JSONL) or "row 7" (Parquet), for error messages
+    kind: str  # "prompt" | "messages" | "token_ids"
+    payload: str | list
+    params: SamplingParams
+    endpoint: str | None = None  # OpenAI lines: "chat" | "completions"
+    token_ids: list[int] = field(default_factory=list)  # filled by tokenize_row
+
+
+@dataclass
+class RowError:
+    """A row that cannot run: it gets an error record instead of a result."""
+
+    id: str
+    where: str
+    problem: str
+    endpoint: str | None = None
+
+    @property
+    def message(self) -> str:
+        return f"{self.where}: {self.problem}"
+
+
+class RowProblem(ValueError):
+    pass
+
+
+def is_openai_row(value: object) -> bool:
+    return isinstance(value, dict) and ("custom_id" in value or "body" in value)
+
+
+def derive_seed(base_seed: int, row_id: str) -> int:
+    """A row without a seed samples with one derived from (--seed, id): the same whatever the order or resume."""
+    return xxhash.xxh64_intdigest(f"{base_seed}:{row_id}".encode()) & ((1 << 63) - 1)
+
+
+def _type_name(value: object) -> str:
+    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null",
+             int: "an integer", float: "a number"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _row_id(value: object, number: int) -> str:
+    if value is None:
+        return str(number)
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise RowProblem(f"the id must be a string or an integer, not {_type_name(value)}")
+    if value == "":
+        raise RowProblem("the id is an empty string")
+    return str(value)
+
+
+def _message_text(content: object) -> object:
+    """OpenAI content parts [{"type": "text", "text": ...}, ...] -> one string; anything else unchanged."""
+    if isinstance(content, list) and content and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    return content
+
+
+def _checked_payload(kind: str, payload: object, name: str) -> str | list:
+    if kind == "prompt":
+        if not isinstance(payload, str) or not payload:
+            raise RowProblem(f"'{name}' must be a non-empty string, not {_type_name(payload)}")
+        return payload
+    if kind == "messages":
+        if not isinstance(payload, list) or not payload:
+            raise RowProblem(f"'{name}' must be a non-empty array of {{role, content}} objects, "
+                             f"not {_type_name(payload)}")
+        messages = []
+        for i, message in enumerate(payload):
+            if isinstance(message, dict):
+                message = {**message, "content": _message_text(message.get("content"))}
+            if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                    and isinstance(message.get("content"), str)):
+                raise RowProblem(f"'{name}'[{i}] must be an object with a string 'role' and a text 'content'")
+            messages.append(message)
+        return messages
+    if not isinstance(payload, list) or not payload or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in payload):
+        raise RowProblem(f"'{name}' must be a non-empty array of integer token ids")
+    return payload
+
+
+def _plain_fields(row: dict) -> tuple[str, object, dict]:
+    present = [key for key in PROMPT_KEYS if key in row]
+    if len(present) != 1:
+        which = "none" if not present else "more than one"
+        raise RowProblem(f"the row has {which} of 'prompt', 'messages', 'prompt_token_ids'")
+    key = present[0]
+    kind = PROMPT_KEYS[key]
+    overrides = {k: row[k] for k in SAMPLING_FIELDS if row.get(k) is not None}
+    nested = row.get("sampling_params")
+    if nested is not None:
+        if not isinstance(nested, dict):
+            raise RowProblem(f"'sampling_params' must be an object, not {_type_name(nested)}")
+        unknown = sorted(set(nested) - set(SAMPLING_FIELDS))
+        if unknown:
+            raise RowProblem(f"unknown sampling parameter(s) {', '.join(unknown)} "
+                             f"(known: {', '.join(SAMPLING_FIELDS)})")
+        overrides.update({k: v for k, v in nested.items() if v is not None})
+    return kind, _checked_payload(kind, row[key], key), overrides
+
+
+def _openai_endpoint(row: dict) -> str | None:
+    url = row.get("url", "/v1/chat/completions")
+    return OPENAI_ENDPOINTS.get(url) if isinstance(url, str) else None
+
+
+def _openai_fields(row: dict) -> tuple[str, object, dict]:
+    endpoint = _openai_endpoint(row)
+    if endpoint is None:
+        raise RowProblem(f"unsupported url {row.get('url')!r} (use {' or '.join(OPENAI_ENDPOINTS)})")
+    if row.get("method", "POST") != "POST":
+        raise RowProblem(f"unsupported method {row.get('method')!r} (only POST)")
+    body = row.get("body")
+    if not isinstance(body, dict):
+        raise RowProblem(f"'body' must be an object, not {_type_name(body)}")
+    if body.get("n", 1) != 1:
+        raise RowProblem(f"n={body['n']!r} is not supported (one completion per request)")
+    key = "messages" if endpoint == "chat" else "prompt"
+    if key not in body:
+        raise RowProblem(f"a {endpoint} request body needs '{key}'")
+    kind = "messages" if endpoint == "chat" else "token_ids" if isinstance(body[key], list) else "prompt"
+    overrides = {name: body[key_] for key_, name in OPENAI_SAMPLING_KEYS.items() if body.get(key_) is not None}
+    return kind, _checked_payload(kind, body[key], f"body.{key}"), overrides
+
+
+class RowParser:
+    """Parses rows against the command-line sampling defaults."""
+
+    def __init__(self, sampling_defaults: dict, base_seed: int, label: str):
+        self.defaults = sampling_defaults
+        self.base_seed = base_seed
+        self.label = label  # "line" or "row"
+
+    def parse(self, number: int, row: object) -> RowRequest | RowError:
+        where = f"{self.label} {number}"
+        if isinstance(row, InvalidJson):
+            return RowError(str(number), where, row.message)
+        if not isinstance(row, dict):
+            return RowError(str(number), where, f"a row must be a JSON object, not {_type_name(row)}")
+        openai = is_openai_row(row)
+        endpoint = (_openai_endpoint(row) or "chat") if openai else None
+        try:
+            row_id = _row_id(row.get("custom_id" if openai else "id"), number)
+        except RowProblem as exc:
+            return RowError(str(number), where, str(exc), endpoint)
+        try:
+            kind, payload, overrides = _openai_fields(row) if openai else _plain_fields(row)
+            params = self._params(overrides, row_id)
+        except RowProblem as exc:
+            return RowError(row_id, where, str(exc), endpoint)
+        return RowRequest(row_id, where, kind, payload, params, endpoint)
+
+    def _params(self, overrides: dict, row_id: str) -> SamplingParams:
+        values = {**self.defaults, **overrides}
+        for name in _NUMBER_FIELDS:
+            if isinstance(values.get(name), bool):
+                raise RowProblem(f"invalid sampling parameters: {name} must be a number, not a boolean")
+        if not isinstance(values.get("ignore_eos", False), bool):
+            raise RowProblem("invalid sampling parameters: ignore_eos must be true or false")
+        try:
+            params = SamplingParams(**values)
+        except (TypeError, ValueError) as exc:
+            raise RowProblem(f"invalid sampling parameters: {exc}") from None
+        if params.seed is None:
+            params.seed = derive_seed(self.base_seed, row_id)
+        return params

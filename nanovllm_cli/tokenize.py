@@ -1,0 +1,51 @@
+"""Row -> prompt token ids, exactly as the engine tokenizes (chat templates included)."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+from jinja2.exceptions import TemplateError
+from nanovllm import LLM
+
+from nanovllm_cli.readers import iter_rows
+from nanovllm_cli.rows import RowError, RowParser, RowRequest
+
+
+class DryTokenizer:
+    """The engine's tokenization without an engine, for `inspect-cache` (model config and tokenizer only).
+
+    `LLM.tokenize` and `LLM.apply_chat_template` run on this object, which carries the attributes they read
+    (`model_name`, `hf_config`, `tokenizer`), so a dry run tokenizes byte for byte like `run`.
+    """
+
+    def __init__(self, model_name: str, hf_config: object, tokenizer: object | None):
+        self.model_name = model_name
+        self.hf_config = hf_config
+        self.tokenizer = tokenizer
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        return LLM.tokenize(self, prompt)
+
+    def apply_chat_template(self, conversation: list[dict]) -> list[int]:
+        return LLM.apply_chat_template(self, conversation)
+
+
+def tokenize_row(request: RowRequest, tokenizer: LLM | DryTokenizer) -> RowRequest | RowError:
+    """Fill `request.token_ids`; a row the tokenizer or chat template rejects becomes a RowError."""
+    try:
+        if request.kind == "messages":
+            token_ids = tokenizer.apply_chat_template(request.payload)
+        else:
+            token_ids = tokenizer.tokenize(request.payload)
+    except (ValueError, TypeError, TemplateError) as exc:  # the row's problem, never the job's
+        return RowError(request.id, request.where, str(exc), request.endpoint)
+    request.token_ids = list(token_ids)
+    return request
+
+
+def tokenized_rows(path: Path, fmt: str, parser: RowParser,
+                   tokenizer: LLM | DryTokenizer) -> Iterator[RowRequest | RowError]:
+    """Every row of a `run` input file, parsed and tokenized as `run` does."""
+    for number, raw in iter_rows(path, fmt):
+        row = parser.parse(number, raw)
+        yield row if isinstance(row, RowError) else tokenize_row(row, tokenizer)

@@ -1,0 +1,195 @@
+"""Durable, resumable output: JSONL appended record by record, or Parquet through a JSONL journal.
+
+Every record is flushed to the OS as soon as it is written (a killed process loses nothing already written)
+and fsync'ed within `FSYNC_INTERVAL_S` and at close (a crashed machine loses at most that much). A kill can cut
+the last line short; `resume_ids` cuts such a torn line off and returns the ids of the complete records.
+
+Parquet cannot be appended to, so rows go to the journal `OUTPUT.journal.jsonl` while the job runs and `close`
+merges OUTPUT's earlier rows (when resuming) and the journal into a temporary file that atomically replaces
+OUTPUT; then the journal is removed. The merged file records the journal's size and hash in its metadata, so
+a journal left behind by a crash between the replace and the removal is recognised as merged and dropped.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import xxhash
+
+from nanovllm_cli.records import RecordLayout
+
+FSYNC_INTERVAL_S = 2.0
+MERGED_JOURNAL_KEY = b"nanovllm.merged_journal"
+
+
+class OutputError(Exception):
+    """OUTPUT cannot be resumed as it is (the user must choose another file or fix this one)."""
+
+
+def journal_path(path: Path) -> Path:
+    return path.with_name(path.name + ".journal.jsonl")
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_jsonl_ids(path: Path, id_key: str) -> set[str]:
+    """Ids of the records of a JSONL output, after cutting a torn last line (one without its newline)."""
+    ids: set[str] = set()
+    if not path.exists():
+        return ids
+    with open(path, "rb+") as f:
+        complete = 0
+        for number, line in enumerate(f, 1):
+            if not line.endswith(b"\n"):
+                break
+            complete += len(line)
+            if not line.strip():
+                continue
+            try:
+                ids.add(str(json.loads(line)[id_key]))
+            except (ValueError, KeyError, TypeError):
+                raise OutputError(f"{path} line {number} is not a result record with {id_key!r}: it was not "
+                                  "written by a job of this kind; choose another OUTPUT or drop --resume") from None
+        if complete < os.fstat(f.fileno()).st_size:
+            f.truncate(complete)
+            os.fsync(f.fileno())
+    return ids
+
+
+class JsonlWriter:
+    """Appends one JSON line per record: flushed at once, fsync'ed within `fsync_interval` and at close."""
+
+    def __init__(self, path: Path, append: bool, fsync_interval: float = FSYNC_INTERVAL_S):
+        self.path = path
+        self.file = open(path, "a" if append else "w", encoding="utf-8")  # noqa: SIM115 (closed in close())
+        self.fsync_interval = fsync_interval
+        self.unsynced_since: float | None = None
+
+    def write(self, record: dict) -> None:
+        self.file.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self.file.flush()
+        if self.unsynced_since is None:
+            self.unsynced_since = time.monotonic()
+
+    def sync_if_due(self) -> None:
+        if self.unsynced_since is not None and time.monotonic() - self.unsynced_since >= self.fsync_interval:
+            self._sync()
+
+    def _sync(self) -> None:
+        os.fsync(self.file.fileno())
+        self.unsynced_since = None
+
+    def close(self) -> None:
+        if not self.file.closed:
+            self._sync()
+            self.file.close()
+            _fsync_dir(self.path)
+
+
+def _journal_marker(path: Path) -> str:
+    digest = xxhash.xxh64()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return f"{path.stat().st_size}:{digest.hexdigest()}"
+
+
+def _merged_marker(path: Path) -> str | None:
+    import pyarrow.parquet as pq
+
+    metadata = pq.read_schema(path).metadata or {}
+    marker = metadata.get(MERGED_JOURNAL_KEY)
+    return marker.decode() if marker else None
+
+
+def read_parquet_ids(path: Path, layout: RecordLayout) -> set[str]:
+    """Ids in a Parquet OUTPUT and its journal; drops a journal that is already merged into OUTPUT."""
+    import pyarrow.parquet as pq
+
+    journal = journal_path(path)
+    ids: set[str] = set()
+    if path.exists():
+        schema = pq.read_schema(path)
+        if not schema.remove_metadata().equals(layout.arrow_schema()):
+            raise OutputError(f"{path} has other columns than this job writes (another input kind, or "
+                              "--include-token-ids differs); choose another OUTPUT or drop --resume")
+        if journal.exists() and _merged_marker(path) == _journal_marker(journal):
+            journal.unlink()
+        for batch in pq.ParquetFile(path).iter_batches(columns=[layout.id_key]):
+            ids.update(str(v) for v in batch.column(0).to_pylist())
+    return ids | read_jsonl_ids(journal, layout.id_key)
+
+
+class ParquetWriter:
+    """Records go to the journal while the job runs; `close` merges them into OUTPUT."""
+
+    BATCH_ROWS = 4096
+
+    def __init__(self, path: Path, layout: RecordLayout, append: bool, fsync_interval: float = FSYNC_INTERVAL_S):
+        self.path = path
+        self.layout = layout
+        if not append:
+            path.unlink(missing_ok=True)
+        self.journal = JsonlWriter(journal_path(path), append, fsync_interval)
+
+    def write(self, record: dict) -> None:
+        self.journal.write(record)
+
+    def sync_if_due(self) -> None:
+        self.journal.sync_if_due()
+
+    def close(self) -> None:
+        self.journal.close()
+        self._merge()
+
+    def _merge(self) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        schema = self.layout.arrow_schema()
+        marked = schema.with_metadata({MERGED_JOURNAL_KEY: _journal_marker(self.journal.path).encode()})
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with pq.ParquetWriter(tmp, marked) as out:
+            if self.path.exists():
+                for batch in pq.ParquetFile(self.path).iter_batches(batch_size=self.BATCH_ROWS):
+                    out.write_table(pa.Table.from_batches([batch]).cast(marked))
+            rows: list[dict] = []
+            with open(self.journal.path, "rb") as f:
+                for line in f:
+                    if line.strip():
+                        rows.append(self.layout.parquet_row(json.loads(line)))
+                    if len(rows) >= self.BATCH_ROWS:
+                        out.write_table(pa.Table.from_pylist(rows, schema=marked))
+                        rows.clear()
+            if rows:
+                out.write_table(pa.Table.from_pylist(rows, schema=marked))
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+        _fsync_dir(self.path)
+        self.journal.path.unlink()
+
+
+Writer = JsonlWriter | ParquetWriter
+
+
+def is_parquet(path: Path) -> bool:
+    return path.suffix.lower() == ".parquet"
+
+
+def resume_ids(path: Path, layout: RecordLayout) -> set[str]:
+    """Ids already written to OUTPUT by earlier runs of the job (repairing what a kill left behind)."""
+    return read_parquet_ids(path, layout) if is_parquet(path) else read_jsonl_ids(path, layout.id_key)
+
+
+def open_writer(path: Path, layout: RecordLayout, append: bool) -> Writer:
+    """A writer for OUTPUT; without `append` an existing OUTPUT is replaced."""
+    return ParquetWriter(path, layout, append) if is_parquet(path) else JsonlWriter(path, append)
