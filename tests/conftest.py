@@ -1,40 +1,45 @@
 import json
+import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+if not torch.cuda.is_available():  # Triton kernels run in the interpreter (set before any kernel is compiled)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 sys.path.insert(0, str(Path(__file__).parent))  # tests/helpers.py
 
 PRESETS = Path(__file__).resolve().parent.parent / "core" / "presets"
 
 
-def save_tiny_hf_model(model_type: str, directory: Path, seed: int = 0) -> Path:
-    """A random-weight HF model of a tiny preset's shape, saved as sharded safetensors (the loader's input).
+def save_random_hf_model(preset: str, directory: Path, seed: int = 0, initializer_range: float = 0.15,
+                         dtype: torch.dtype = torch.float32, max_shard_size: str = "200KB") -> Path:
+    """A random-weight HF model of a preset's shape, saved as sharded safetensors (the loader's input).
 
-    A wide init spreads the logits so that greedy choices are not near-ties that fp32 rounding could flip."""
+    A wide init spreads the logits so that greedy choices are not near-ties that rounding could flip."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config_dict = json.loads((PRESETS / f"tiny-{model_type}.json").read_text())
-    config_dict["initializer_range"] = 0.15
+    config_dict = json.loads((PRESETS / f"{preset}.json").read_text())
+    config_dict["initializer_range"] = initializer_range
     config = AutoConfig.for_model(**config_dict)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     with torch.no_grad():  # HF initialises norms to 1 and biases to 0: perturb them so their loading is tested
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.normal_(1.0, 0.1)
             elif name.endswith("bias"):
                 param.normal_(0.0, 0.1)
-    model.save_pretrained(directory, max_shard_size="200KB")
+    model.save_pretrained(directory, max_shard_size=max_shard_size)
     return directory
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny-models")
-    return {t: save_tiny_hf_model(t, root / t) for t in ("qwen3", "qwen2", "llama")}
+    return {t: save_random_hf_model(f"tiny-{t}", root / t) for t in ("qwen3", "qwen2", "llama")}
 
 
 @pytest.fixture(scope="session")

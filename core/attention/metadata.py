@@ -19,6 +19,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [batch, max_blocks] int32; entries past a sequence's blocks are -1
     max_query_len: int
     max_seq_len: int
+    decode_num_splits: int = 1  # decode kernels split each sequence's KV range this many ways (flash-decoding)
 
     @property
     def is_decode(self) -> bool:

@@ -40,6 +40,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 class TorchAttentionBackend:
     name = "torch"
+    supports_cuda_graphs = False  # host-synchronising indexing
+    required_block_size_multiple = 1
+
+    def decode_num_splits(self, batch_size: int, max_seq_len: int, num_kv_heads: int) -> int:
+        return 1  # one pass per sequence
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:

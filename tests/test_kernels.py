@@ -1,0 +1,297 @@
+"""Triton attention kernels against the torch reference on fresh random inputs.
+
+Without CUDA the kernels run in Triton's interpreter (on the CPU, small shapes); the `gpu` tests take real
+shapes and run only on a CUDA device (`pytest -m gpu`)."""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Read when a kernel is decorated: before the first import of a kernel module, as here at collection time.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from nanovllm.attention.metadata import AttentionMetadata
+from nanovllm.attention.torch_backend import TorchAttentionBackend, paged_attention
+from nanovllm.attention.triton_backend import TritonAttentionBackend
+from nanovllm.kernels.decode_attention import (
+    MAX_SPLITS,
+    DecodeConfig,
+    choose_num_splits,
+    paged_decode_attention,
+)
+from nanovllm.kernels.kv_cache import store_kvcache
+from nanovllm.kernels.prefill_attention import PrefillConfig, paged_prefill_attention
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# Relative L2 error against an fp32 reference on upcast inputs; on the GPU an fp32 tl.dot runs in TF32.
+TOLERANCE = {torch.float32: 1e-3 if DEVICE.type == "cuda" else 1e-4, torch.float16: 3e-3, torch.bfloat16: 1e-2}
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+# Triton's interpreter multiplies the raw bits of bf16 operands in tl.dot (triton-lang/triton#11584).
+needs_bf16_dot = pytest.mark.skipif(DEVICE.type == "cpu", reason="Triton's interpreter has no bf16 tl.dot")
+
+
+class Batch:
+    """One step's inputs over a paged cache: `lens` holds (cached, new) tokens per sequence.
+
+    Block ids are shuffled from a pool twice the size needed (holes between sequences); every cache slot that no
+    sequence holds is NaN, so a kernel that reads or leaves one shows it. `share`: sequence 1's first full cached
+    blocks are sequence 0's. `recompute`: sequences whose one new token is already in the cache (a fully cached
+    prompt recomputes its last token): its slot is -1, and the K/V passed for it differ from the cached ones."""
+
+    def __init__(self, lens: list[tuple[int, int]], block_size: int, num_heads: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, seed: int, share: bool = False, recompute: tuple[int, ...] = ()):
+        gen = torch.Generator().manual_seed(seed)
+
+        def randn(*shape):
+            return torch.randn(*shape, generator=gen).to(dtype)
+
+        seq_lens = [cached + new for cached, new in lens]
+        counts = [-(-n // block_size) for n in seq_lens]
+        num_blocks = 2 * sum(counts) + 1
+        pool = torch.randperm(num_blocks, generator=gen).tolist()
+        tables = [[pool.pop() for _ in range(count)] for count in counts]
+        if share:
+            shared = min(lens[0][0], lens[1][0]) // block_size
+            assert shared >= 1
+            tables[1][:shared] = tables[0][:shared]
+        block_tables = torch.full((len(lens), max(counts) + 1), -1, dtype=torch.int32)  # a -1 column past all
+        for i, table in enumerate(tables):
+            block_tables[i, :len(table)] = torch.tensor(table, dtype=torch.int32)
+
+        cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.k_cache = torch.full(cache_shape, float("nan"), dtype=dtype)
+        self.v_cache = torch.full(cache_shape, float("nan"), dtype=dtype)
+        flat_k, flat_v = self.k_cache.view(-1, num_kv_heads, head_dim), self.v_cache.view(-1, num_kv_heads, head_dim)
+        cached_slots, slots = [], []
+        for i, ((cached, new), table) in enumerate(zip(lens, tables)):
+            seq_slots = [table[p // block_size] * block_size + p % block_size for p in range(cached + new)]
+            cached_slots += seq_slots[:cached + (new if i in recompute else 0)]
+            if i in recompute:
+                assert new == 1
+                slots.append(-1)
+            else:
+                slots += seq_slots[cached:]
+        flat_k[cached_slots] = randn(len(cached_slots), num_kv_heads, head_dim)
+        flat_v[cached_slots] = randn(len(cached_slots), num_kv_heads, head_dim)
+        num_tokens = len(slots)
+        # q/k/v as views of one projection, like the model's, so the kernels see their real strides.
+        qkv = randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim)
+        q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+        self.q = q.view(num_tokens, num_heads, head_dim)
+        self.k = k.view(num_tokens, num_kv_heads, head_dim)
+        self.v = v.view(num_tokens, num_kv_heads, head_dim)
+        query_start = [0]
+        for _, new in lens:
+            query_start.append(query_start[-1] + new)
+        self.meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_tables=block_tables,
+            max_query_len=max(new for _, new in lens),
+            max_seq_len=max(seq_lens),
+        )
+        self.scale = head_dim ** -0.5
+        self.to(DEVICE)
+
+    def to(self, device: torch.device) -> None:
+        for name in ("q", "k", "v", "k_cache", "v_cache"):
+            setattr(self, name, getattr(self, name).to(device))
+        meta = self.meta
+        for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
+            setattr(meta, name, getattr(meta, name).to(device))
+
+    def reference(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """fp32 output and caches of the torch backend on upcast copies of the inputs."""
+        k_cache, v_cache = self.k_cache.float(), self.v_cache.float()
+        out = TorchAttentionBackend().forward(self.q.float(), self.k.float(), self.v.float(), k_cache, v_cache,
+                                              self.meta, self.scale)
+        return out, k_cache, v_cache
+
+    def store(self, ref_k_cache: torch.Tensor, ref_v_cache: torch.Tensor) -> None:
+        """Our store kernel; the caches must then equal the reference's bit for bit, NaN where nothing wrote."""
+        store_kvcache(self.k, self.v, self.k_cache, self.v_cache, self.meta.slot_mapping)
+        torch.testing.assert_close(self.k_cache.float(), ref_k_cache, rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(self.v_cache.float(), ref_v_cache, rtol=0, atol=0, equal_nan=True)
+
+
+def assert_matches(out: torch.Tensor, ref: torch.Tensor) -> None:
+    assert out.isfinite().all(), "NaN/inf in the output: an element was left unwritten or read a poisoned slot"
+    error = ((out.float() - ref).norm() / ref.norm()).item()
+    assert error <= TOLERANCE[out.dtype], f"relative error {error:.2e} > {TOLERANCE[out.dtype]:.0e}"
+
+
+def run_prefill(batch: Batch, config: PrefillConfig | None = None) -> None:
+    ref, ref_k, ref_v = batch.reference()
+    batch.store(ref_k, ref_v)
+    out = torch.full_like(batch.q, float("nan"))
+    meta = batch.meta
+    paged_prefill_attention(batch.q, batch.k_cache, batch.v_cache, meta.query_start_loc, meta.seq_lens,
+                            meta.block_tables, meta.max_query_len, batch.scale, out=out, config=config)
+    assert_matches(out, ref)
+
+
+def run_decode(batch: Batch, num_splits: int, config: DecodeConfig | None = None) -> None:
+    ref, ref_k, ref_v = batch.reference()
+    batch.store(ref_k, ref_v)
+    out = torch.full_like(batch.q, float("nan"))
+    paged_decode_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta.block_tables, batch.meta.seq_lens,
+                           batch.scale, num_splits, out=out, config=config)
+    assert_matches(out, ref)
+
+
+# ---- CPU (interpreter) and GPU: small shapes ------------------------------------------------------------------
+
+SMALL_PREFILL = PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=2)
+SMALL_DECODE = DecodeConfig(block_n=16, num_warps=4, num_stages=2)
+# (block_size, num_heads, num_kv_heads, head_dim, dtype)
+SHAPES = [
+    pytest.param(16, 2, 2, 64, torch.float16, id="bs16-mha-d64-fp16"),
+    pytest.param(32, 4, 2, 128, torch.float32, id="bs32-gqa2-d128-fp32"),
+    pytest.param(16, 6, 2, 64, torch.float32, id="bs16-gqa3-d64-fp32"),
+    pytest.param(64, 4, 2, 64, torch.float16, id="bs64-gqa2-d64-fp16"),
+    pytest.param(128, 6, 2, 128, torch.float16, id="bs128-gqa3-d128-fp16"),
+    pytest.param(256, 4, 2, 64, torch.float32, id="bs256-gqa2-d64-fp32"),
+    pytest.param(16, 4, 2, 128, torch.bfloat16, id="bs16-gqa2-d128-bf16", marks=needs_bf16_dot),
+]
+
+
+def test_store_skips_minus_one_slots():
+    for dtype in (torch.bfloat16, torch.float16):
+        batch = Batch([(5, 9), (16, 1), (0, 3)], 8, 6, 3, 64, dtype, seed=1, recompute=(1,))
+        batch.meta.slot_mapping[2] = -1  # and one more skipped token in the middle of a chunk
+        _, ref_k, ref_v = batch.reference()
+        batch.store(ref_k, ref_v)
+
+
+@pytest.mark.parametrize(("block_size", "num_heads", "num_kv_heads", "head_dim", "dtype"), SHAPES)
+def test_prefill_ragged_with_cached_prefixes(block_size, num_heads, num_kv_heads, head_dim, dtype):
+    """Fresh prefills, chunks continuing mid-block after cached prefixes, a fully cached prompt recomputing its
+    last token (slot -1), a decode-like one-token chunk, and two sequences sharing prefix blocks."""
+    unit = min(block_size, 32)  # bounds the chunks the interpreter has to run through at large block sizes
+    lens = [(block_size + 7, 20), (block_size + 3, 2 * unit - 5), (2 * block_size, 1), (40, 1), (0, 37)]
+    batch = Batch(lens, block_size, num_heads, num_kv_heads, head_dim, dtype, seed=2, share=True, recompute=(2,))
+    run_prefill(batch, SMALL_PREFILL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=needs_bf16_dot)])
+def test_prefill_default_config(dtype):
+    """The GPU's tile sizes: one tile holds a whole short chunk; GQA 3 leaves rows of the tile unused."""
+    batch = Batch([(0, 70), (30, 50), (90, 1)], 32, 6, 2, 64, dtype, seed=3)
+    run_prefill(batch)
+
+
+@pytest.mark.parametrize(("block_size", "num_heads", "num_kv_heads", "head_dim", "dtype"), SHAPES)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_ragged(block_size, num_heads, num_kv_heads, head_dim, dtype, num_splits):
+    lens = [(block_size * 3 + 5, 1), (2 * block_size - 1, 1), (0, 1), (16, 1), (70, 1)]
+    batch = Batch(lens, block_size, num_heads, num_kv_heads, head_dim, dtype, seed=4, share=True)
+    run_decode(batch, num_splits, SMALL_DECODE)
+
+
+def test_decode_more_splits_than_tiles():
+    """Splits past a short sequence's end are empty; the merge must ignore them."""
+    batch = Batch([(3, 1), (40, 1), (0, 1)], 16, 4, 1, 64, torch.float16, seed=5)
+    run_decode(batch, 8, SMALL_DECODE)
+    run_decode(Batch([(100, 1), (9, 1)], 16, 4, 1, 64, torch.float16, seed=6), 2)  # default tiles
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_empty_rows_give_zeros(num_splits):
+    """A row of seq_len 0 reads nothing and yields zeros (a safe padding row); the other rows are unaffected."""
+    batch = Batch([(20, 1), (5, 1)], 16, 4, 2, 64, torch.float16, seed=7)
+    ref, ref_k, ref_v = batch.reference()
+    batch.store(ref_k, ref_v)
+    batch.meta.seq_lens[1] = 0
+    out = torch.full_like(batch.q, float("nan"))
+    paged_decode_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta.block_tables, batch.meta.seq_lens,
+                           batch.scale, num_splits, out=out, config=SMALL_DECODE)
+    assert_matches(out[:1], ref[:1])
+    assert not out[1].any()
+
+
+def test_backend_routes_prefill_and_decode():
+    backend = TritonAttentionBackend(DEVICE)
+    prefill = Batch([(10, 30), (0, 5)], 16, 4, 2, 64, torch.float16, seed=8)
+    ref, _, _ = prefill.reference()
+    assert_matches(backend.forward(prefill.q, prefill.k, prefill.v, prefill.k_cache, prefill.v_cache,
+                                   prefill.meta, prefill.scale), ref)
+    decode = Batch([(50, 1), (7, 1), (33, 1)], 16, 4, 2, 64, torch.float16, seed=9)
+    decode.meta.decode_num_splits = backend.decode_num_splits(3, decode.meta.max_seq_len, 2)
+    ref, _, _ = decode.reference()
+    assert_matches(backend.forward(decode.q, decode.k, decode.v, decode.k_cache, decode.v_cache, decode.meta,
+                                   decode.scale), ref)
+
+
+def test_choose_num_splits():
+    assert choose_num_splits(256, 8, 1024, 132) == 1  # 2048 programs fill the GPU
+    assert choose_num_splits(8, 8, 4096, 132) == 5  # 64 programs: ~2 per SM needs 5 splits
+    assert choose_num_splits(1, 8, 300, 132) == 2  # at least 256 keys per split
+    assert choose_num_splits(1, 1, 1 << 20, 132) == MAX_SPLITS
+    assert choose_num_splits(4, 8, 100, 132) == 1
+
+
+# ---- GPU: real shapes -------------------------------------------------------------------------------------------
+
+QWEN3_06B = (16, 8, 128)  # query heads, KV heads, head dim
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("block_size", [16, 32, 64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads", [QWEN3_06B, (24, 8, 64), (8, 8, 128)], ids=["qwen3", "gqa3-d64", "mha"])
+@pytest.mark.parametrize("kernel", ["prefill", "decode"])
+def test_gpu_real_shapes(kernel, heads, dtype, block_size):
+    if kernel == "prefill":
+        # 8k tokens: chunks after long cached prefixes (two sharing blocks), whole prompts, decodes in the mix,
+        # a recomputed last token
+        lens = [(3000, 1500), (block_size * 7 + 3, 2048), (0, 1024), (0, 777), (1000, 1), (2048, 1), (0, 2000),
+                (4096 + 5, 841)]
+        batch = Batch(lens, block_size, *heads, dtype, seed=10, share=True, recompute=(4,))
+        run_prefill(batch)
+    else:
+        context = [4000, 3000] + torch.randint(1, 4096, (62,), generator=torch.Generator().manual_seed(0)).tolist()
+        batch = Batch([(n - 1, 1) for n in context], block_size, *heads, dtype, seed=11, share=True)
+        ref, ref_k, ref_v = batch.reference()
+        batch.store(ref_k, ref_v)
+        for num_splits in (1, choose_num_splits(64, heads[1], 4096, 132), 16):
+            out = torch.full_like(batch.q, float("nan"))
+            paged_decode_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta.block_tables,
+                                   batch.meta.seq_lens, batch.scale, num_splits, out=out)
+            assert_matches(out, ref)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("num_splits", [1, 8])
+def test_gpu_decode_cuda_graph_replay(num_splits):
+    """Captured once, replayed on other contexts written into the same buffers: same as the reference."""
+    num_heads, num_kv_heads, head_dim = QWEN3_06B
+    lens = [(n, 1) for n in (100, 3000, 17, 2047)]
+    batch = Batch(lens, 16, num_heads, num_kv_heads, head_dim, torch.bfloat16, seed=12)
+    out = torch.empty_like(batch.q)
+    seq_lens, block_tables, q = batch.meta.seq_lens.clone(), batch.meta.block_tables.clone(), batch.q.clone()
+
+    def decode():
+        paged_decode_attention(q, batch.k_cache, batch.v_cache, block_tables, seq_lens, batch.scale, num_splits,
+                               out=out)
+
+    _, ref_k, ref_v = batch.reference()
+    batch.store(ref_k, ref_v)
+    decode()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode()
+    # Shorter contexts in the same tables, new queries: only buffer contents change.
+    batch.meta.seq_lens -= torch.tensor([90, 1000, 10, 2000], dtype=torch.int32, device=DEVICE)
+    batch.q.normal_()
+    seq_lens.copy_(batch.meta.seq_lens)
+    q.copy_(batch.q)
+    out.fill_(float("nan"))
+    graph.replay()
+    assert_matches(out, paged_attention(batch.q.float(), batch.k_cache.float(), batch.v_cache.float(), batch.meta,
+                                        batch.scale))
