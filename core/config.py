@@ -33,7 +33,7 @@ class EngineConfig:
     seed: int = 0
 
     @classmethod
-    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+    def from_kwargs(cls, **kwargs) -> EngineConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
@@ -69,9 +69,6 @@ class EngineConfig:
               f"must be one of {sorted(b for b in _ATTENTION_BACKENDS if b)}")
         check(self.device in (None, "cpu", "cuda"), "device", "must be 'cpu' or 'cuda'")
         check(isinstance(self.seed, int), "seed", "must be an integer")
-        if self.tensor_parallel_size != 1:
-            raise ValueError(f"engine argument tensor_parallel_size={self.tensor_parallel_size}: "
-                             "tensor parallelism is not implemented yet; use 1")
 
     def resolve_device(self) -> torch.device:
         if self.device == "cuda" and not torch.cuda.is_available():

@@ -1,16 +1,56 @@
-"""Tensor-parallel group facts. With no process group initialised the engine is a single rank."""
+"""The tensor-parallel group of this process (DESIGN §9). Until `init_tp_group` the engine is a single rank.
+
+One group per process: NCCL when the ranks run on CUDA devices, gloo on the CPU; the model's collectives and the
+step broadcast use the same calls on both."""
 from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+# Bounds a collective that a peer never joins (a hung rank). A dead rank is noticed sooner: gloo sees its sockets
+# close, and rank 0 polls its workers while it waits for a step.
+COLLECTIVE_TIMEOUT = timedelta(minutes=10)
+
+
+@dataclass(frozen=True)
+class _Group:
+    rank: int
+    size: int
+    device: torch.device  # where tensors of collectives live: a CUDA device (NCCL) or the CPU (gloo)
+
+
+_group: _Group | None = None
+
+
+def init_tp_group(rank: int, size: int, store: dist.Store, device: torch.device) -> None:
+    """Join the group of `size` ranks that meet at `store`."""
+    global _group
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT)
+    _group = _Group(rank, size, device)
+
+
+def destroy_tp_group(abort: bool = False) -> None:
+    """Leave the group. `abort` after a peer failed: pending collectives are cancelled instead of awaited."""
+    global _group
+    if _group is None:
+        return
+    _group = None
+    if abort:  # NCCL: unblocks the device work stuck in collectives with a dead peer
+        dist.distributed_c10d._abort_process_group()
+    else:
+        dist.destroy_process_group()
+
 
 def tp_rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+    return _group.rank if _group else 0
 
 
 def tp_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
+    return _group.size if _group else 1
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -26,3 +66,19 @@ def gather_to_rank0(x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
     shards = [torch.empty_like(x) for _ in range(tp_size())] if tp_rank() == 0 else None
     dist.gather(x, shards, dst=0)
     return torch.cat(shards, dim=dim) if tp_rank() == 0 else None
+
+
+def broadcast_from_rank0(x: torch.Tensor) -> torch.Tensor:
+    """Rank 0's `x` into every rank's `x` (same shape and dtype everywhere)."""
+    if tp_size() > 1:
+        dist.broadcast(x, src=0)
+    return x
+
+
+def min_over_ranks(value: int) -> int:
+    """The smallest of the ranks' values (e.g. the KV-cache blocks that fit on every device)."""
+    if tp_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=_group.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())

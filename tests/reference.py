@@ -6,10 +6,10 @@ from pathlib import Path
 import torch
 
 
-def load_hf_model(directory: Path):
+def load_hf_model(directory: Path, dtype: torch.dtype = torch.float32, device: str = "cpu"):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype).to(device).eval()
 
 
 @torch.inference_mode()
@@ -17,7 +17,7 @@ def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list
     """Greedy continuation of each prompt by the HF model, ignoring EOS (one prompt at a time, no padding)."""
     outputs = []
     for prompt in prompts:
-        ids = torch.tensor([prompt])
+        ids = torch.tensor([prompt], device=model.device)
         generated = []
         past = None
         next_input = ids
@@ -26,6 +26,6 @@ def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list
             past = out.past_key_values
             token = int(out.logits[0, -1].argmax())
             generated.append(token)
-            next_input = torch.tensor([[token]])
+            next_input = torch.tensor([[token]], device=model.device)
         outputs.append(generated)
     return outputs

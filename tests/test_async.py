@@ -1,11 +1,11 @@
 """The async loop reorders the same engine: greedy outputs must equal the sync loop's (DESIGN §6)."""
 import pytest
+from helpers import make_seq
+from test_engine_hf import CHATS, ENGINE_VARIANTS, TINY_PROMPTS
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.scheduler import Scheduler
-from helpers import make_seq
-from test_engine_hf import CHATS, ENGINE_VARIANTS, TINY_PROMPTS
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 

@@ -1,8 +1,8 @@
-import xxhash
 import numpy as np
+import xxhash
+from helpers import make_seq
 
 from nanovllm.engine.block_manager import NO_HASH, BlockManager, compute_block_hash
-from helpers import make_seq
 
 BS = 4
 

@@ -1,8 +1,8 @@
 """End-to-end greedy decoding against HF transformers' own models, fp32 on the CPU (DESIGN §3-5, §8)."""
 import pytest
+from reference import hf_greedy, load_hf_model
 
 from nanovllm import LLM, SamplingParams
-from reference import hf_greedy, load_hf_model
 
 MAX_NEW = 24
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)

@@ -1,7 +1,8 @@
+from helpers import make_seq
+
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import SequenceStatus
-from helpers import make_seq
 
 BS = 4
 EOS = 2

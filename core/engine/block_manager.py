@@ -158,6 +158,15 @@ class BlockManager:
         seq.num_shared_kv_tokens = 0
         seq.num_hashed_blocks = 0
 
+    def reset_prefix_cache(self) -> None:
+        """Drop the hashes of free blocks: later requests find only what running sequences hold."""
+        for block_id in self.free_blocks:
+            block = self.blocks[block_id]
+            if block.hash != NO_HASH and self.hash_to_block.get(block.hash) == block_id:
+                del self.hash_to_block[block.hash]
+            block.hash = NO_HASH
+            block.token_ids = []
+
     # ---- hashing as blocks fill ----------------------------------------------------------------------------
 
     def commit_computed_blocks(self, seq: Sequence, num_known_tokens: int | None = None) -> None:

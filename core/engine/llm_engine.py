@@ -4,6 +4,7 @@ import itertools
 import random
 import time
 from collections.abc import Sequence as SequenceLike
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 from nanovllm.config import EngineConfig
@@ -14,6 +15,7 @@ from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.stats import EngineStats
 from nanovllm.engine.step_loop import StepLoop
+from nanovllm.engine.tp_workers import TPRunner, start_workers
 from nanovllm.loaders import resolve_model
 from nanovllm.sampling_params import SamplingParams
 
@@ -50,20 +52,20 @@ class LLM:
 
             self.tokenizer = AutoTokenizer.from_pretrained(str(resolved.tokenizer_dir))
         self.max_model_len = self._max_model_len()
-        self.runner = ModelRunner(self.config, resolved, self.max_model_len)
+        self.workers = start_workers(self.config, resolved, self.max_model_len)  # tensor-parallel ranks 1..N-1
+        try:
+            with self.workers.guard() if self.workers else nullcontext():  # a worker's error, not a broken collective
+                self.runner = ModelRunner(self.config, resolved, self.max_model_len)
+        except BaseException:
+            self.exit()
+            raise
         self.block_manager = BlockManager(self.runner.num_kv_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching)
-        capacity = self.runner.num_kv_blocks * self.config.block_size
-        if capacity < self.max_model_len:
-            raise ValueError(
-                f"the KV cache holds {self.runner.num_kv_blocks} blocks = {capacity} tokens, less than one sequence of "
-                f"max_model_len={self.max_model_len}: lower max_model_len, or raise gpu_memory_utilization / "
-                "num_kv_blocks (cpu_kv_cache_bytes on the CPU)")
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                    self.max_model_len, self._eos_token_ids())
         self.stop_strings = StopStringDetector(self.tokenizer)
-        self.loop = StepLoop(self.scheduler, self.runner, self._new_stats(), self.config.async_scheduling,
-                             self._check_stop_strings)
+        self.loop = StepLoop(self.scheduler, TPRunner(self.runner, self.workers) if self.workers else self.runner,
+                             self._new_stats(), self.config.async_scheduling, self._check_stop_strings)
         self._seed_rng = random.Random(self.config.seed)
         self._seq_ids = itertools.count()
 
@@ -154,6 +156,18 @@ class LLM:
         """Start a new measurement (e.g. after a warm-up)."""
         self.loop.stats = self._new_stats()
 
+    def set_async_scheduling(self, enabled: bool) -> None:
+        """Switch between the sync and the async loop (between jobs: no request may be in flight)."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("cannot switch the step loop while requests are running")
+        self.config.async_scheduling = enabled
+        self.loop.overlap = enabled
+        self.reset_stats()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix, e.g. so that a benchmark's second pass starts cold."""
+        self.block_manager.reset_prefix_cache()
+
     def get_stats(self) -> dict:
         """Timing and throughput of the steps run since the engine started or `reset_stats`."""
         return self.stats.summary()
@@ -234,9 +248,11 @@ class LLM:
         }
 
     def exit(self) -> None:
-        """Release the engine (tensor-parallel workers, when there are any)."""
+        """Release the engine: stop the tensor-parallel workers, when there are any."""
+        if self.workers is not None:
+            self.workers.shutdown()
 
-    def __enter__(self) -> "LLM":
+    def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc) -> None:

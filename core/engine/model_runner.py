@@ -2,11 +2,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from nanovllm.attention import AttentionMetadata, select_backend
 from nanovllm.config import EngineConfig
+from nanovllm.distributed import min_over_ranks
+from nanovllm.engine.cuda_graphs import DecodeGraphs
 from nanovllm.engine.scheduler import ScheduledBatch
+from nanovllm.engine.step_buffers import DeviceBlockTables, Field, StepBuffers
 from nanovllm.layers.sampler import SamplingTensors, sample
 from nanovllm.loaders import ResolvedModel, load_dummy_weights, load_safetensors_weights
 from nanovllm.models.llama import LlamaForCausalLM, head_dim_of, kv_heads_per_rank
@@ -19,6 +23,7 @@ class StepInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # the last new token of each sequence
     sampling: SamplingTensors
+    graph_size: int | None  # replay the decode graph of this batch size instead of running eagerly
 
 
 @dataclass
@@ -42,6 +47,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.vocab_size = self.hf_config.vocab_size
+        self.num_kv_heads = kv_heads_per_rank(self.hf_config)
 
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
@@ -56,13 +62,37 @@ class ModelRunner:
             load_safetensors_weights(self.model, resolved.weights_dir)
         self.model.eval()
 
-        self.num_kv_blocks = config.num_kv_blocks or self._kv_budget_blocks()
+        self.num_kv_blocks = config.num_kv_blocks or min_over_ranks(self._kv_budget_blocks())  # TP: fits every rank
+        capacity = self.num_kv_blocks * self.block_size
+        if capacity < max_model_len:  # checked before anything (CUDA graphs included) touches the cache
+            raise ValueError(
+                f"the KV cache holds {self.num_kv_blocks} blocks = {capacity} tokens, less than one sequence of "
+                f"max_model_len={max_model_len}: lower max_model_len, or raise gpu_memory_utilization / "
+                "num_kv_blocks (cpu_kv_cache_bytes on the CPU); gpu_memory_utilization counts all memory in use "
+                "on the device, other engines' included")
         self.kv_cache = self._allocate_kv_cache(self.num_kv_blocks)
         backend = select_backend(config.attention_backend, self.device)
+        if self.block_size % backend.required_block_size_multiple:
+            raise ValueError(f"the {backend.name} attention backend needs a block_size divisible by "
+                             f"{backend.required_block_size_multiple}; got block_size={self.block_size}")
+        self.backend = backend
         for index, layer in enumerate(self.model.attention_layers()):
             layer.k_cache, layer.v_cache = self.kv_cache[0, index], self.kv_cache[1, index]
             layer.backend = backend
         self.attention_backend = backend.name
+
+        self.max_batch_size = min(config.max_num_seqs, config.max_num_batched_tokens)
+        max_blocks_per_seq = -(-max_model_len // self.block_size)
+        self.buffers = StepBuffers(self._step_fields(), self.device)
+        # Rows for twice the running sequences: finished ones are reclaimed in bulk, rarely.
+        self.block_tables = DeviceBlockTables(2 * self.max_batch_size, max_blocks_per_seq, self.device)
+        self.block_tables_batch = torch.zeros(self.max_batch_size, max_blocks_per_seq, dtype=torch.int32,
+                                              device=self.device)
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not config.enforce_eager and backend.supports_cuda_graphs:
+            self.graphs = DecodeGraphs(self.model, self.buffers.on_device, self.block_tables_batch,
+                                       self.max_batch_size, max_model_len,
+                                       lambda size: backend.decode_num_splits(size, max_model_len, self.num_kv_heads))
 
     # ---- KV cache --------------------------------------------------------------------------------------------
 
@@ -94,7 +124,8 @@ class ModelRunner:
     def _warmup_forward(self) -> None:
         num_tokens = min(self.config.max_num_batched_tokens, self.config.max_num_seqs * self.max_model_len)
         num_seqs = max(min(self.config.max_num_seqs, num_tokens // self.max_model_len), 1)
-        # A one-block scratch cache with every write skipped: the forward has real shapes but touches no KV.
+        # A one-block scratch cache with every write skipped and every table entry pointing at it: the forward
+        # has real shapes and reads valid memory, but touches no real KV.
         scratch = self._allocate_kv_cache(1)
         for index, layer in enumerate(self.model.attention_layers()):
             layer.k_cache, layer.v_cache = scratch[0, index], scratch[1, index]
@@ -108,7 +139,8 @@ class ModelRunner:
             slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device),
             query_start_loc=starts,
             seq_lens=torch.tensor(lens, dtype=torch.int32, device=self.device),
-            block_tables=torch.zeros(num_seqs, 1, dtype=torch.int32, device=self.device),
+            block_tables=torch.zeros(num_seqs, -(-max(lens) // self.block_size), dtype=torch.int32,
+                                     device=self.device),
             max_query_len=max(lens), max_seq_len=max(lens),
         )
         hidden = self.model(ids, positions, meta)
@@ -121,67 +153,119 @@ class ModelRunner:
 
     # ---- one step ----------------------------------------------------------------------------------------------
 
+    def _step_fields(self) -> list[Field]:
+        max_tokens, max_seqs = self.config.max_num_batched_tokens, self.max_batch_size
+        i64, i32, f32 = torch.int64, torch.int32, torch.float32
+        return [
+            Field("input_ids", i64, max_tokens), Field("positions", i64, max_tokens),
+            Field("slot_mapping", i64, max_tokens), Field("query_start_loc", i32, max_seqs + 1),
+            Field("seq_lens", i32, max_seqs), Field("rows", i64, max_seqs), Field("logits_indices", i64, max_seqs),
+            Field("placeholder_rows", i64, max_seqs), Field("placeholder_sources", i64, max_seqs),
+            Field("temperatures", f32, max_seqs), Field("top_k", i64, max_seqs), Field("top_p", f32, max_seqs),
+            Field("min_p", f32, max_seqs), Field("seeds", i64, max_seqs), Field("sample_positions", i64, max_seqs),
+        ]
+
     def prepare(self, batch: ScheduledBatch, previous: StepHandle | None = None) -> StepInputs:
         """Device inputs for `batch`. A position past a sequence's known tokens is the token that the previous
         (still running) step samples for it: its id is gathered on the device from that step's output."""
+        block_size = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         query_start = [0]
         seq_lens: list[int] = []
-        placeholder_rows: list[int] = []  # rows of input_ids to take from the previous step's samples
+        placeholder_rows: list[int] = []
         placeholder_sources: list[int] = []
-        block_size = self.block_size
         for seq, num_new, start, source in zip(batch.seqs, batch.num_new_tokens, batch.start_positions,
                                                batch.placeholder_sources):
             end = start + num_new
-            known = seq.token_ids[start:end]
-            if source >= 0:  # only ever the last token of a decode, sampled by the step in flight
-                placeholder_rows.append(len(input_ids) + len(known))
-                placeholder_sources.append(source)
-                known = known + [0]
-            input_ids.extend(known)
-            positions.extend(range(start, end))
             table = seq.block_table
-            slots.extend(-1 if p < seq.num_shared_kv_tokens else table[p // block_size] * block_size + p % block_size
-                         for p in range(start, end))
+            if num_new == 1:  # the decode fast path
+                if source >= 0:
+                    placeholder_rows.append(len(input_ids))
+                    placeholder_sources.append(source)
+                    input_ids.append(0)
+                else:
+                    input_ids.append(seq.token_ids[start])
+                positions.append(start)
+                slots.append(table[start // block_size] * block_size + start % block_size
+                             if start >= seq.num_shared_kv_tokens else -1)
+            else:
+                known = seq.token_ids[start:end]
+                if source >= 0:  # only ever the last token, sampled by the step in flight
+                    placeholder_rows.append(len(input_ids) + len(known))
+                    placeholder_sources.append(source)
+                    known = known + [0]
+                input_ids.extend(known)
+                positions.extend(range(start, end))
+                shared = seq.num_shared_kv_tokens
+                slots.extend(-1 if p < shared else table[p // block_size] * block_size + p % block_size
+                             for p in range(start, end))
             query_start.append(query_start[-1] + num_new)
             seq_lens.append(end)
-        max_blocks = max(len(seq.block_table) for seq in batch.seqs)
-        tables = [seq.block_table + [-1] * (max_blocks - len(seq.block_table)) for seq in batch.seqs]
+        rows, table_updates = self.block_tables.sync(batch.seqs)
 
-        pin = self.device.type == "cuda"
+        num_tokens, num_seqs = len(input_ids), len(batch.seqs)
+        graph_size = self.graphs.batch_size_for(num_seqs) if self.graphs and batch.is_pure_decode else None
+        padded_seqs = graph_size or num_seqs
+        host = self.buffers.begin()
+        host["input_ids"][:num_tokens] = input_ids
+        host["positions"][:num_tokens] = positions
+        host["slot_mapping"][:num_tokens] = slots
+        host["query_start_loc"][:num_seqs + 1] = query_start
+        host["seq_lens"][:num_seqs] = seq_lens
+        host["rows"][:num_seqs] = rows
+        if padded_seqs > num_seqs:  # graph padding: one token each, no KV written, an all-zero table row
+            pad = slice(num_seqs, padded_seqs)
+            host["input_ids"][pad] = 0
+            host["positions"][pad] = 0
+            host["slot_mapping"][pad] = -1
+            host["query_start_loc"][num_seqs + 1:padded_seqs + 1] = np.arange(num_tokens + 1, padded_seqs + 1)
+            host["seq_lens"][pad] = 1
+            host["rows"][pad] = self.block_tables.padding_row
+        host["logits_indices"][:num_seqs] = query_start[1:]
+        host["logits_indices"][:num_seqs] -= 1
+        num_placeholders = len(placeholder_rows)
+        host["placeholder_rows"][:num_placeholders] = placeholder_rows
+        host["placeholder_sources"][:num_placeholders] = placeholder_sources
+        params = [seq.params for seq in batch.seqs]
+        all_greedy = all(p.temperature == 0 for p in params)
+        any_filter = not all_greedy and any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params)
+        if not all_greedy:
+            host["temperatures"][:num_seqs] = [p.temperature for p in params]
+            host["top_k"][:num_seqs] = [p.top_k if p.top_k > 0 else self.vocab_size for p in params]
+            host["top_p"][:num_seqs] = [p.top_p for p in params]
+            host["min_p"][:num_seqs] = [p.min_p for p in params]
+            host["seeds"][:num_seqs] = [seq.sampling_seed for seq in batch.seqs]
+            # index of the output token each row draws (pending tokens of the step in flight come first)
+            host["sample_positions"][:num_seqs] = [seq.num_output_tokens + seq.num_pending_tokens - 1
+                                                   for seq in batch.seqs]
+        self.buffers.upload()
 
-        def tensor(data, dtype):
-            # Pinned + non_blocking: the copy is queued on the stream and never waits for the step in flight.
-            return torch.tensor(data, dtype=dtype, pin_memory=pin).to(self.device, non_blocking=True)
-
-        ids = tensor(input_ids, torch.int64)
-        if placeholder_rows:
-            ids[tensor(placeholder_rows, torch.int64)] = previous.sampled[tensor(placeholder_sources, torch.int64)]
+        device = self.buffers.on_device
+        self.block_tables.apply(table_updates)
+        block_tables = self.block_tables_batch[:padded_seqs]
+        torch.index_select(self.block_tables.table, 0, device["rows"][:padded_seqs], out=block_tables)
+        num_rows = padded_seqs if graph_size else num_tokens
+        ids = device["input_ids"][:num_rows]
+        if num_placeholders:
+            ids[device["placeholder_rows"][:num_placeholders]] = previous.sampled[
+                device["placeholder_sources"][:num_placeholders]]
         meta = AttentionMetadata(
-            slot_mapping=tensor(slots, torch.int64),
-            query_start_loc=tensor(query_start, torch.int32),
-            seq_lens=tensor(seq_lens, torch.int32),
-            block_tables=tensor(tables, torch.int32),
+            slot_mapping=device["slot_mapping"][:num_rows],
+            query_start_loc=device["query_start_loc"][:padded_seqs + 1],
+            seq_lens=device["seq_lens"][:padded_seqs],
+            block_tables=block_tables,
             max_query_len=max(batch.num_new_tokens),
             max_seq_len=max(seq_lens),
+            decode_num_splits=self.backend.decode_num_splits(num_seqs, max(seq_lens), self.num_kv_heads),
         )
-        params = [seq.params for seq in batch.seqs]
         sampling = SamplingTensors(
-            temperatures=tensor([p.temperature for p in params], torch.float32),
-            top_k=tensor([p.top_k if p.top_k > 0 else self.vocab_size for p in params], torch.int64),
-            top_p=tensor([p.top_p for p in params], torch.float32),
-            min_p=tensor([p.min_p for p in params], torch.float32),
-            seeds=tensor([seq.sampling_seed for seq in batch.seqs], torch.int64),
-            # index of the output token each row draws (pending tokens of the step in flight come first)
-            positions=tensor([seq.num_output_tokens + seq.num_pending_tokens - 1 for seq in batch.seqs],
-                             torch.int64),
-            all_greedy=all(p.temperature == 0 for p in params),
-            any_filter=any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params),
-        )
-        return StepInputs(ids, tensor(positions, torch.int64), meta, tensor(query_start[1:], torch.int64) - 1,
-                          sampling)
+            temperatures=device["temperatures"][:num_seqs], top_k=device["top_k"][:num_seqs],
+            top_p=device["top_p"][:num_seqs], min_p=device["min_p"][:num_seqs], seeds=device["seeds"][:num_seqs],
+            positions=device["sample_positions"][:num_seqs], all_greedy=all_greedy, any_filter=any_filter)
+        return StepInputs(ids, device["positions"][:num_rows], meta, device["logits_indices"][:num_seqs], sampling,
+                          graph_size)
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> StepHandle:
@@ -201,9 +285,14 @@ class ModelRunner:
         return StepHandle(sampled, host, (start, end), ready)
 
     def _forward_and_sample(self, inputs: StepInputs) -> torch.Tensor:
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
-        logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()
-        return sample(logits, inputs.sampling)
+        if inputs.graph_size is not None:
+            logits = self.graphs.replay(inputs.graph_size, inputs.input_ids, inputs.positions, inputs.meta)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        if logits is None:  # a tensor-parallel worker: the logits were gathered to rank 0, which samples
+            return inputs.logits_indices[:0]
+        return sample(logits[:len(inputs.logits_indices)].float(), inputs.sampling)
 
     @staticmethod
     def wait(handle: StepHandle) -> tuple[list[int], float | None]:

@@ -24,10 +24,11 @@ class ScheduledBatch:
     epochs: list[int] = field(default_factory=list)
     placeholder_sources: list[int] = field(default_factory=list)
 
-    def add(self, seq: Sequence, num_new_tokens: int) -> None:
-        start = seq.num_scheduled_tokens
-        samples = start + num_new_tokens == seq.num_effective_tokens
-        self.placeholder_sources.append(seq.last_sample_index if start + num_new_tokens > seq.num_tokens else -1)
+    def add(self, seq: Sequence, num_new_tokens: int, start: int, num_effective_tokens: int) -> None:
+        """Compute `num_new_tokens` of `seq` from position `start` (its scheduled = committed + in-flight count)."""
+        end = start + num_new_tokens
+        samples = end == num_effective_tokens
+        self.placeholder_sources.append(seq.last_sample_index if end > len(seq.token_ids) else -1)
         self.seqs.append(seq)
         self.num_new_tokens.append(num_new_tokens)
         self.start_positions.append(start)
@@ -70,6 +71,7 @@ class Scheduler:
         self.finished: list[Sequence] = []  # finished since the last take_finished()
 
     def add(self, seq: Sequence) -> None:
+        seq.max_len = self.max_len_of(seq)
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -94,17 +96,21 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         preemptions_before = self.num_preemptions
+        capacity_per_block = self.block_manager.block_size
         index = 0
-        while index < len(self.running) and budget > 0:
+        while index < len(self.running) and budget > 0:  # the hot loop of every decode step: kept lean
             seq = self.running[index]
-            if seq.num_effective_tokens >= self.max_len_of(seq):
+            effective = len(seq.token_ids) + seq.num_pending_tokens
+            if effective >= seq.max_len:
                 index += 1  # its last token is already in flight: nothing more to compute
                 continue
-            num_new = min(seq.num_effective_tokens - seq.num_scheduled_tokens, budget)
-            if not self._make_room(seq, seq.num_scheduled_tokens + num_new):
-                break
-            self.block_manager.grow(seq, seq.num_scheduled_tokens + num_new)
-            batch.add(seq, num_new)
+            start = seq.num_cached_tokens + seq.num_inflight_tokens
+            num_new = min(effective - start, budget)
+            if start + num_new > len(seq.block_table) * capacity_per_block:
+                if not self._make_room(seq, start + num_new):
+                    break
+                self.block_manager.grow(seq, start + num_new)
+            batch.add(seq, num_new, start, effective)
             budget -= num_new
             index += 1
         preempted = self.num_preemptions != preemptions_before
@@ -121,7 +127,7 @@ class Scheduler:
             self.block_manager.grow(seq, seq.num_cached_tokens + num_new)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            batch.add(seq, num_new)
+            batch.add(seq, num_new, seq.num_cached_tokens, seq.num_tokens)
             budget -= num_new
         return batch
 
@@ -176,7 +182,7 @@ class Scheduler:
         params = seq.params
         if (not params.ignore_eos and token_id in self.eos_token_ids) or token_id in params.stop_token_ids:
             return "stop"
-        if seq.num_tokens >= self.max_len_of(seq):
+        if seq.num_tokens >= seq.max_len:
             return "length"
         return None
 

@@ -32,6 +32,7 @@ class Sequence:
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
+        self.max_len = 0  # the scheduler sets it on arrival: prompt + max_tokens, capped by max_model_len
         self.sampling_seed = sampling_seed
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []

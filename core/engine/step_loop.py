@@ -8,6 +8,7 @@ from nanovllm.engine.model_runner import ModelRunner, StepHandle
 from nanovllm.engine.scheduler import ScheduledBatch, Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.stats import EngineStats
+from nanovllm.engine.tp_workers import TPRunner
 
 
 @dataclass
@@ -28,7 +29,7 @@ class StepLoop:
     state, in-flight decodes feed their sampled ids to the next step on the device, and steps are committed in
     the order they were launched. Both orders use the same scheduler, runner and postprocess."""
 
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner, stats: EngineStats, overlap: bool,
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner | TPRunner, stats: EngineStats, overlap: bool,
                  on_tokens: Callable[[list[Sequence]], None]):
         self.scheduler = scheduler
         self.runner = runner

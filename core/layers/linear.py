@@ -1,5 +1,6 @@
 """Linear layers that shard across tensor-parallel ranks. Each parameter carries a `weight_loader` that takes the
-full checkpoint tensor (or one packed part of it) and copies this rank's slice."""
+full checkpoint tensor (or one packed part of it) and copies this rank's slice, and the shape of that full tensor
+(`full_shape`; packed parameters also `packed_parts`: part id -> its rows) for loaders that make weights up."""
 from __future__ import annotations
 
 import torch
@@ -15,6 +16,13 @@ def _divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
+def _set_packed_parts(layer: nn.Module, parts: dict) -> None:
+    """Record which checkpoint tensors (part id -> full rows) are stacked along dim 0 of the layer's parameters."""
+    for param in (layer.weight, layer.bias):
+        if param is not None:
+            param.packed_parts = parts
+
+
 class LinearBase(nn.Module):
     """y = x W^T + b with W of shape [output_size, input_size]; `shard_dim` is the dim split across ranks."""
 
@@ -23,9 +31,14 @@ class LinearBase(nn.Module):
         self.shard_dim = shard_dim
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        full = [output_size, input_size]
+        if shard_dim is not None:
+            full[shard_dim] *= tp_size()
+        self.weight.full_shape = tuple(full)
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
+            self.bias.full_shape = (full[0],)
         else:
             self.register_parameter("bias", None)
 
@@ -57,6 +70,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias)
+        _set_packed_parts(self, dict(enumerate(output_sizes)))
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
         world = tp_size()
@@ -74,6 +88,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.num_heads = _divide(num_heads, world, "num_attention_heads")
         self.num_kv_heads = _divide(num_kv_heads, world, "num_key_value_heads")
         super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias)
+        kv_rows = num_kv_heads * head_dim
+        _set_packed_parts(self, {"q": num_heads * head_dim, "k": kv_rows, "v": kv_rows})
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
         q_size = self.num_heads * self.head_dim
@@ -87,9 +103,11 @@ class RowParallelLinear(LinearBase):
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__(_divide(input_size, tp_size(), "input features"), output_size, bias, shard_dim=1)
+        self.reduce = tp_size() > 1  # the group this layer was built for, not whichever engine runs later
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added once, after the reduction.
         y = F.linear(x, self.weight)
-        y = all_reduce(y)
+        if self.reduce:
+            y = all_reduce(y)
         return y + self.bias if self.bias is not None else y

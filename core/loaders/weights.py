@@ -55,7 +55,11 @@ def load_safetensors_weights(model: nn.Module, directory: Path) -> None:
 
 @torch.no_grad()
 def load_dummy_weights(model: nn.Module, seed: int = 0) -> None:
-    """Random weights for benchmarks: small uniform values keep activations finite in low precision; norms 1."""
+    """Random weights for benchmarks: small uniform values keep activations finite in low precision; norms 1.
+
+    Every rank draws each parameter's full (unsharded) tensor in the same order from the same seed and loads it
+    through the parameter's `weight_loader`, like a checkpoint tensor: each rank holds its shard of one model, and
+    every tensor-parallel size runs the same model."""
     generators: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
@@ -63,4 +67,12 @@ def load_dummy_weights(model: nn.Module, seed: int = 0) -> None:
             continue
         if param.device not in generators:
             generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
-        param.uniform_(-0.05, 0.05, generator=generators[param.device])
+        full = torch.empty(getattr(param, "full_shape", param.shape), dtype=param.dtype, device=param.device)
+        full.uniform_(-0.05, 0.05, generator=generators[param.device])
+        loader = getattr(param, "weight_loader", copy_whole)
+        parts = getattr(param, "packed_parts", None)
+        if parts is None:
+            loader(param, full)
+            continue
+        for part_id, part in zip(parts, full.split(list(parts.values()))):
+            loader(param, part, part_id)

@@ -1,3 +1,3 @@
-from nanovllm.models.llama import LlamaForCausalLM, SUPPORTED_MODEL_TYPES
+from nanovllm.models.llama import SUPPORTED_MODEL_TYPES, LlamaForCausalLM
 
 __all__ = ["LlamaForCausalLM", "SUPPORTED_MODEL_TYPES"]

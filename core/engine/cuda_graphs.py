@@ -1,0 +1,72 @@
+"""CUDA graphs of the pure-decode forward (DESIGN §6): one per batch size of a ladder, replayed with padding.
+
+A decode step of a few hundred sequences is hundreds of small kernels; replaying a captured graph removes their
+launch cost. The graphs read the step's inputs from the runner's fixed device buffers (`StepBuffers`), so a
+replay needs no copies; the runner pads a batch to the next captured size with entries that write no KV."""
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+
+import torch
+
+from nanovllm.attention import AttentionMetadata
+
+
+def batch_size_ladder(max_batch_size: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 16: padding wastes at most 15 rows where batches are large."""
+    sizes = [s for s in (1, 2, 4, 8) if s < max_batch_size] + list(range(16, max_batch_size, 16))
+    return sorted(set(sizes + [max_batch_size]))
+
+
+class DecodeGraphs:
+    def __init__(self, model, buffers: dict[str, torch.Tensor], block_tables: torch.Tensor, max_batch_size: int,
+                 max_seq_len: int, num_splits_for: Callable[[int], int]):
+        self.sizes = batch_size_ladder(max_batch_size)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...], torch.Tensor]] = {}
+        # Safe contents while capturing: one token per row, no KV written, the all-zero table row.
+        buffers["input_ids"].zero_()
+        buffers["positions"].zero_()
+        buffers["slot_mapping"].fill_(-1)
+        buffers["seq_lens"].fill_(1)
+        buffers["query_start_loc"].copy_(torch.arange(len(buffers["query_start_loc"]), dtype=torch.int32))
+        block_tables.zero_()
+        pool = None
+        with torch.inference_mode():
+            for size in reversed(self.sizes):  # largest first: the smaller graphs reuse its memory pool
+                meta = AttentionMetadata(
+                    slot_mapping=buffers["slot_mapping"][:size],
+                    query_start_loc=buffers["query_start_loc"][:size + 1],
+                    seq_lens=buffers["seq_lens"][:size],
+                    block_tables=block_tables[:size],
+                    max_query_len=1,
+                    max_seq_len=max_seq_len,
+                    decode_num_splits=num_splits_for(size),
+                )
+
+                input_ids, positions = buffers["input_ids"][:size], buffers["positions"][:size]
+                model.compute_logits(model(input_ids, positions, meta))  # compile and initialise outside the capture
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = model.compute_logits(model(input_ids, positions, meta))
+                pool = graph.pool()
+                inputs = (input_ids, positions, meta.slot_mapping, meta.seq_lens, meta.block_tables)
+                self.graphs[size] = (graph, inputs, logits)
+        torch.cuda.synchronize()
+
+    def batch_size_for(self, num_seqs: int) -> int | None:
+        index = bisect.bisect_left(self.sizes, num_seqs)
+        return self.sizes[index] if index < len(self.sizes) else None
+
+    def replay(self, size: int, input_ids: torch.Tensor, positions: torch.Tensor,
+               meta: AttentionMetadata) -> torch.Tensor:
+        """Run the graph of `size` on these inputs. The runner prepares them in the captured buffers already; a
+        tensor-parallel worker receives them elsewhere and they are copied in."""
+        graph, captured, logits = self.graphs[size]
+        for source, target in zip((input_ids, positions, meta.slot_mapping, meta.seq_lens, meta.block_tables),
+                                  captured):
+            if source.data_ptr() != target.data_ptr():
+                target.copy_(source)
+        graph.replay()
+        return logits
