@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from nanovllm import SamplingParams
 from nanovllm.engine.block_manager import NO_HASH, BlockManager, compute_block_hash
 from nanovllm.engine.sequence import Sequence
-
 from nanovllm_cli.admission import admission_groups
 from nanovllm_cli.rows import RowRequest
 
@@ -95,7 +94,8 @@ class CacheReplay:
 
     def report(self) -> dict:
         stats = self.manager.stats
-        return {"hit_tokens": stats.hit_tokens, "hit_rate": stats.hit_rate, "evictions": stats.evictions, "rows_not_fitting": self.rows_not_fitting}
+        return {"hit_tokens": stats.hit_tokens, "hit_rate": stats.hit_rate, "evictions": stats.evictions,
+                "rows_not_fitting": self.rows_not_fitting}
 
 
 def histogram(lengths: Counter[int]) -> list[dict]:

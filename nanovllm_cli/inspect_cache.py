@@ -42,7 +42,6 @@ def inspect_cache(
     """
     from nanovllm.config import EngineConfig
     from nanovllm.loaders import resolve_model
-
     from nanovllm_cli.cache_analysis import CacheAnalysis
     from nanovllm_cli.readers import detect_format
     from nanovllm_cli.rows import RowError, RowParser
@@ -93,6 +92,7 @@ def inspect_cache(
 def cache_memory(config: EngineConfig, hf: object, num_blocks: int | None) -> dict:
     """Bytes per KV block and the number of blocks: given, or what the engine's memory budget would give."""
     import torch
+
     from nanovllm.models.llama import head_dim_of
 
     device = config.resolve_device()

@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 
+from nanovllm_cli.bench import bench
 from nanovllm_cli.inspect_cache import inspect_cache
 from nanovllm_cli.run_cmd import run
 
@@ -33,3 +34,4 @@ def main(
 
 app.command("run")(run)
 app.command("inspect-cache")(inspect_cache)
+app.command("bench")(bench)

@@ -13,7 +13,6 @@ import uuid
 from dataclasses import dataclass
 
 from nanovllm import RequestOutput
-
 from nanovllm_cli.rows import RowError, RowRequest
 
 PLAIN_FIELDS = ("id", "text", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "error")

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import xxhash
-from nanovllm import SamplingParams
 
+from nanovllm import SamplingParams
 from nanovllm_cli.readers import InvalidJson
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "seed",

@@ -16,7 +16,6 @@ from nanovllm_cli.options import ExitCode
 
 if TYPE_CHECKING:  # the engine imports torch: not needed for `--help`
     from nanovllm import LLM
-
     from nanovllm_cli.display import Snapshot
     from nanovllm_cli.records import RecordLayout
     from nanovllm_cli.rows import RowError, RowRequest
@@ -98,7 +97,6 @@ def run(
     kill, run again with --resume.
     """
     from nanovllm import SamplingParams
-
     from nanovllm_cli.readers import count_rows, detect_format, first_object, iter_rows
     from nanovllm_cli.records import RecordLayout
     from nanovllm_cli.rows import RowParser, is_openai_row

@@ -12,7 +12,6 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from nanovllm import LLM, RequestOutput
-
 from nanovllm_cli.admission import PrefixGroup, admission_groups
 from nanovllm_cli.records import RecordBuilder
 from nanovllm_cli.rows import RowError, RowRequest

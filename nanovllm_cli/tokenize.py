@@ -5,8 +5,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from jinja2.exceptions import TemplateError
-from nanovllm import LLM
 
+from nanovllm import LLM
 from nanovllm_cli.readers import iter_rows
 from nanovllm_cli.rows import RowError, RowParser, RowRequest
 

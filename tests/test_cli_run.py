@@ -11,9 +11,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from nanovllm import LLM, SamplingParams
 from typer.testing import CliRunner
 
+from nanovllm import LLM, SamplingParams
 from nanovllm_cli.main import app
 from nanovllm_cli.rows import derive_seed
 

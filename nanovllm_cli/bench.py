@@ -1,0 +1,208 @@
+"""`nanovllm bench`: offline throughput of the sync and the async step loop, with an honest time split.
+
+Every figure comes from the engine's step stats (DESIGN §7): throughput over the wall clock of the steps, device
+time from CUDA events, host phases from the host clock. On a GPU the run is also set against its roofline."""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from nanovllm_cli import options as o
+
+WORKLOAD = "Workload"
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def prompt_lens(self) -> list[int]:
+        return [len(p) for p in self.prompts]
+
+
+def synthetic_workload(num_seqs: int, input_range: tuple[int, int], output_range: tuple[int, int],
+                       vocab_size: int, seed: int) -> Workload:
+    """Random token ids (no prefix-cache hits) and lengths drawn uniformly from the ranges, inclusive."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(vocab_size) for _ in range(rng.randint(*input_range))] for _ in range(num_seqs)]
+    return Workload(prompts, [rng.randint(*output_range) for _ in range(num_seqs)])
+
+
+def dataset_workload(llm, path: Path, max_tokens: int) -> Workload:
+    """The prompts of a `run` input file, tokenized as `run` does; each row's max_tokens or the default."""
+    from nanovllm_cli.readers import detect_format
+    from nanovllm_cli.rows import RowParser, RowRequest
+    from nanovllm_cli.tokenize import tokenized_rows
+
+    fmt = detect_format(path, None)
+    parser = RowParser({"max_tokens": max_tokens}, 0, "row" if fmt == "parquet" else "line")
+    prompts, output_lens = [], []
+    for row in tokenized_rows(path, fmt, parser, llm):
+        if isinstance(row, RowRequest):
+            prompts.append(row.token_ids)
+            output_lens.append(row.params.max_tokens)
+    if not prompts:
+        raise ValueError(f"{path} has no valid rows")
+    return Workload(prompts, output_lens)
+
+
+def run_workload(llm, workload: Workload, label: str, show_progress: bool) -> dict:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from nanovllm import SamplingParams
+
+    llm.reset_prefix_cache()
+    llm.reset_stats()
+    for prompt, max_tokens in zip(workload.prompts, workload.output_lens):
+        llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    with Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  disable=not show_progress, transient=True) as progress:
+        task = progress.add_task(label, total=len(workload.prompts))
+        while llm.has_unfinished_requests():
+            progress.advance(task, len(llm.step()))
+    return llm.get_stats()
+
+
+def bench(
+    num_seqs: Annotated[int, typer.Option(help="Synthetic requests.", rich_help_panel=WORKLOAD)] = 256,
+    input_len_range: Annotated[tuple[int, int], typer.Option(
+        help="Prompt lengths, uniform in [LO, HI].", rich_help_panel=WORKLOAD)] = (100, 1024),
+    output_len_range: Annotated[tuple[int, int], typer.Option(
+        help="Output lengths (EOS ignored), uniform in [LO, HI].", rich_help_panel=WORKLOAD)] = (100, 1024),
+    seed: Annotated[int, typer.Option(help="Workload seed.", rich_help_panel=WORKLOAD)] = 0,
+    dataset: Annotated[Path | None, typer.Option(
+        help="A `run` input file instead of the synthetic workload.", exists=True, dir_okay=False,
+        rich_help_panel=WORKLOAD)] = None,
+    max_tokens: Annotated[int, typer.Option(
+        help="Output tokens of --dataset rows without their own max_tokens.", rich_help_panel=WORKLOAD)] = 256,
+    compare: Annotated[bool, typer.Option(
+        "--compare", help="Run the sync and the async loop on the same workload and engine, and compare.")] = False,
+    warmup: Annotated[bool, typer.Option(help="A short warm-up run before measuring.")] = True,
+    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
+    model: o.Model = None,
+    dtype: o.Dtype = None,
+    max_model_len: o.MaxModelLen = None,
+    max_num_seqs: o.MaxNumSeqs = None,
+    max_num_batched_tokens: o.MaxNumBatchedTokens = None,
+    gpu_memory_utilization: o.GpuMemoryUtilization = None,
+    tensor_parallel_size: o.TensorParallelSize = None,
+    enforce_eager: o.EnforceEager = False,
+    load_format: o.LoadFormat = None,
+    block_size: o.BlockSize = None,
+    no_prefix_caching: o.NoPrefixCaching = False,
+    async_scheduling: o.Async = False,
+    num_kv_blocks: o.NumKvBlocks = None,
+    kv_cache_gib: o.KvCacheGib = None,
+    device: o.Device = None,
+    attention_backend: o.AttentionBackend = None,
+) -> None:
+    """Measure offline throughput: by default 256 requests of random tokens, prompt and output lengths uniform in
+    [100, 1024], EOS ignored, greedy. `--compare` runs both step loops on one engine; `--json` for machines."""
+    import torch
+    from rich.console import Console
+
+    from nanovllm_cli.roofline import measure_ceilings, model_costs, roofline_seconds
+
+    for name, (lo, hi) in (("--input-len-range", input_len_range), ("--output-len-range", output_len_range)):
+        if not 1 <= lo <= hi:
+            raise o.fail(f"{name} needs 1 <= LO <= HI, got {lo} {hi}")
+    llm = o.load_llm(model, o.engine_args(
+        dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens, gpu_memory_utilization=gpu_memory_utilization,
+        tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager, load_format=load_format,
+        block_size=block_size, no_prefix_caching=no_prefix_caching, async_scheduling=async_scheduling,
+        num_kv_blocks=num_kv_blocks, kv_cache_gib=kv_cache_gib, device=device,
+        attention_backend=attention_backend))
+    console = Console(stderr=True)
+    try:
+        if dataset is not None:
+            workload = dataset_workload(llm, dataset, max_tokens)
+        else:
+            workload = synthetic_workload(num_seqs, input_len_range, output_len_range, llm.hf_config.vocab_size, seed)
+        too_long = [i for i, (p, n) in enumerate(zip(workload.prompt_lens, workload.output_lens))
+                    if p + n > llm.max_model_len]
+        if too_long:
+            raise o.fail(f"{len(too_long)} requests exceed max_model_len={llm.max_model_len} (e.g. request "
+                         f"{too_long[0]}): shorten the ranges or raise --max-model-len")
+
+        runner = llm.runner
+        on_gpu = runner.device.type == "cuda"
+        ceilings = measure_ceilings(runner.device) if on_gpu else None
+        costs = model_costs(llm.hf_config, runner.model, runner.dtype)
+        roofline_s = (roofline_seconds(costs, workload.prompt_lens, workload.output_lens, llm.config.max_num_seqs,
+                                       ceilings) if ceilings else None)
+
+        modes = [False, True] if compare else [async_scheduling]
+        results = {}
+        for overlap in modes:
+            label = "async" if overlap else "sync"
+            llm.set_async_scheduling(overlap)
+            if warmup:
+                run_workload(llm, synthetic_workload(8, (16, 64), (16, 16), llm.hf_config.vocab_size, seed + 1),
+                             f"{label} warm-up", False)
+            stats = run_workload(llm, workload, label, console.is_terminal and not json_output)
+            stats["roofline_s"] = roofline_s
+            stats["roofline_frac"] = roofline_s / stats["wall_s"] if roofline_s and stats["wall_s"] else None
+            results[label] = stats
+    finally:
+        llm.exit()
+
+    report = {
+        "model": llm.model_name,
+        "device": ceilings.name if ceilings else "cpu",
+        "workload": {"requests": len(workload.prompts), "prompt_tokens": sum(workload.prompt_lens),
+                     "output_tokens": sum(workload.output_lens),
+                     "source": str(dataset) if dataset else {"input_len_range": list(input_len_range),
+                                                             "output_len_range": list(output_len_range),
+                                                             "seed": seed}},
+        "engine": {"block_size": llm.config.block_size, "max_num_seqs": llm.config.max_num_seqs,
+                   "max_num_batched_tokens": llm.config.max_num_batched_tokens,
+                   "num_kv_blocks": llm.block_manager.num_blocks, "cuda_graphs": runner.graphs is not None,
+                   "attention_backend": runner.attention_backend, "torch": torch.__version__},
+        "ceilings": ({"copy_bytes_per_s": ceilings.copy_bytes_per_s,
+                      "matmul_bf16_flops_per_s": ceilings.matmul_flops_per_s} if ceilings else None),
+        "modes": results,
+    }
+    if compare:
+        report["async_over_sync"] = results["async"]["output_tok_s"] / results["sync"]["output_tok_s"]
+    if json_output:
+        typer.echo(json.dumps(report))
+    else:
+        print_report(report, Console())
+
+
+def print_report(report: dict, console) -> None:
+    from rich.table import Table
+
+    modes = report["modes"]
+    table = Table(title=f"nanovllm bench — {report['model']} on {report['device']}")
+    table.add_column("metric")
+    for name in modes:
+        table.add_column(name, justify="right")
+    rows = ["requests", "prompt_tokens", "output_tokens", "steps", "preemptions", "wall_s", "output_tok_s",
+            "total_tok_s", "prefill_tok_s", "gpu_busy_frac", "gpu_idle_frac", "cpu_schedule_s", "cpu_prepare_s",
+            "cpu_execute_s", "cpu_wait_s", "cpu_postprocess_s", "host_ms_per_decode_step", "ttft_p50_s",
+            "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "roofline_s", "roofline_frac"]
+    for row in rows:
+        table.add_row(row, *(_fmt(stats.get(row)) for stats in modes.values()))
+    console.print(table)
+    if "async_over_sync" in report:
+        console.print(f"async / sync output throughput: {report['async_over_sync']:.3f}x")
+    if report["device"] == "cpu":
+        console.print("On the CPU there is no device to overlap with: the async loop cannot gain here, and GPU "
+                      "fields are empty.")
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.4g}" if abs(value) < 1000 else f"{value:,.0f}"
+    return f"{value:,}" if isinstance(value, int) else str(value)

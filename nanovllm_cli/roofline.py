@@ -1,0 +1,88 @@
+"""The least time a workload can take on a device: bytes over memory bandwidth plus FLOPs over the matmul rate.
+
+Decode steps must read the weights once and every sequence's whole KV context; prefill must do the matmul
+FLOPs of every prompt token. The ceilings are measured on the device at the start of the run (a large copy,
+counting bytes read plus written, and a large bf16 matmul), as METHOD.md asks."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ModelCosts:
+    kv_bytes_per_token: int  # K and V of one token over all layers
+    weight_bytes_per_step: int  # weights a step reads (the embedding table only gathers rows)
+    flops_per_token: int  # matmul FLOPs of one token through the model, logits included
+    attention_flops_per_pair: int  # QK^T and PV FLOPs of one (query, key) pair over all layers
+
+
+def model_costs(hf_config, model: torch.nn.Module, dtype: torch.dtype) -> ModelCosts:
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    layers = hf_config.num_hidden_layers
+    kv = 2 * layers * hf_config.num_key_value_heads * head_dim * dtype.itemsize
+    unique = {p.data_ptr(): p for p in model.parameters()}.values()
+    embedding = model.model.embed_tokens.weight
+    tied = model.lm_head.weight.data_ptr() == embedding.data_ptr()
+    matmul_params = sum(p.numel() for p in unique if p.dim() == 2) - (0 if tied else embedding.numel())
+    weight_bytes = sum(p.numel() * p.element_size() for p in unique)
+    if not tied:
+        weight_bytes -= embedding.numel() * embedding.element_size()
+    return ModelCosts(kv, weight_bytes, 2 * matmul_params, 4 * layers * hf_config.num_attention_heads * head_dim)
+
+
+@dataclass
+class DeviceCeilings:
+    name: str
+    copy_bytes_per_s: float  # bytes read + bytes written per second
+    matmul_flops_per_s: float  # bf16
+
+
+def _median_ms(fn, repeats: int = 7) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def _copy_ms() -> float:
+    src = torch.randn(1 << 28, device="cuda")  # 1 GiB
+    dst = torch.empty_like(src)
+    return _median_ms(lambda: dst.copy_(src))
+
+
+def _matmul_ms(n: int) -> float:
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    return _median_ms(lambda: a @ b)
+
+
+def measure_ceilings(device: torch.device) -> DeviceCeilings:
+    with torch.cuda.device(device):
+        copy_ms, n = _copy_ms(), 8192
+        matmul_ms = _matmul_ms(n)
+    return DeviceCeilings(torch.cuda.get_device_name(device), 2 * (1 << 30) / copy_ms * 1e3,
+                          2 * n ** 3 / matmul_ms * 1e3)
+
+
+def roofline_seconds(costs: ModelCosts, prompt_lens: list[int], output_lens: list[int], max_num_seqs: int,
+                     ceilings: DeviceCeilings) -> float:
+    """Decode: each output token after the first (which prefill samples) reads its sequence's context of p + j
+    tokens at step j; each step reads the weights, and
+    a batch of at most `max_num_seqs` sequences needs as many steps as its longest output. Prefill: every prompt
+    token's matmuls plus causal attention."""
+    kv_tokens_read = sum((n - 1) * p + n * (n - 1) // 2 for p, n in zip(prompt_lens, output_lens))
+    waves = math.ceil(len(output_lens) / max_num_seqs)
+    decode_steps = waves * (max(output_lens) - 1)
+    decode_bytes = kv_tokens_read * costs.kv_bytes_per_token + decode_steps * costs.weight_bytes_per_step
+    prefill_flops = sum(p * costs.flops_per_token + p * (p + 1) // 2 * costs.attention_flops_per_pair
+                        for p in prompt_lens)
+    return decode_bytes / ceilings.copy_bytes_per_s + prefill_flops / ceilings.matmul_flops_per_s

@@ -1,0 +1,127 @@
+"""Whole-model timings on the GPU for one engine (Qwen3-0.6B shape, dummy weights); prints JSON.
+
+- prefill: one forward of 8 sequences x 1024 new tokens (8k tokens) + their logits, in TFLOP/s of matmul and
+  causal-attention work, against the measured bf16 matmul rate;
+- decode: one graph-replayed step of 256 sequences at context 1024, in ms, and the KV + weight bytes it must read
+  over the measured copy bandwidth;
+- `--profile`: the top CUDA kernels of each (torch.profiler), to say what dominates.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+import torch
+
+from nanovllm import LLM
+from nanovllm.attention import AttentionMetadata
+from nanovllm_cli.roofline import measure_ceilings, model_costs
+
+
+def timed_ms(fn, repeats: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def batch_meta(llm: LLM, num_seqs: int, context: int, new_tokens: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                 AttentionMetadata]:
+    """Sequences of `context` tokens whose last `new_tokens` are computed now, in shuffled cache blocks."""
+    runner = llm.runner
+    block_size, device = runner.block_size, runner.device
+    blocks_per_seq = -(-context // block_size)
+    ids = torch.randperm(runner.num_kv_blocks, device=device)[:num_seqs * blocks_per_seq].to(torch.int32)
+    tables = ids.view(num_seqs, blocks_per_seq)
+    positions = torch.arange(context - new_tokens, context, device=device).repeat(num_seqs)
+    rows = torch.arange(num_seqs, device=device).repeat_interleave(new_tokens)
+    slots = tables[rows, positions // block_size].long() * block_size + positions % block_size
+    meta = AttentionMetadata(
+        slot_mapping=slots,
+        query_start_loc=torch.arange(num_seqs + 1, device=device, dtype=torch.int32) * new_tokens,
+        seq_lens=torch.full((num_seqs,), context, device=device, dtype=torch.int32), block_tables=tables,
+        max_query_len=new_tokens, max_seq_len=context,
+        decode_num_splits=runner.backend.decode_num_splits(num_seqs, context, runner.num_kv_heads))
+    input_ids = torch.randint(0, llm.hf_config.vocab_size, (num_seqs * new_tokens,), device=device)
+    return input_ids, positions, meta
+
+
+def top_kernels(fn, count: int = 12) -> list[dict]:
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)
+    return [{"kernel": e.key[:90], "calls": e.count, "device_ms": e.device_time_total / 1e3} for e in events[:count]]
+
+
+@torch.inference_mode()
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="qwen3-0.6b")
+    parser.add_argument("--block-size", type=int, default=None)
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args()
+    engine_args = dict(load_format="dummy", max_model_len=2048)
+    if args.block_size:
+        engine_args["block_size"] = args.block_size
+    llm = LLM(args.model, **engine_args)
+    runner, model = llm.runner, llm.runner.model
+    ceilings = measure_ceilings(runner.device)
+    costs = model_costs(llm.hf_config, model, runner.dtype)
+    report = {"device": ceilings.name, "block_size": runner.block_size, "copy_bytes_per_s": ceilings.copy_bytes_per_s,
+              "matmul_flops_per_s": ceilings.matmul_flops_per_s}
+
+    num_seqs, length = 8, 1024
+    prefill_ids, prefill_positions, prefill_meta = batch_meta(llm, num_seqs, length, length)
+    last = prefill_meta.query_start_loc[1:].long() - 1
+
+    def prefill():
+        return model.compute_logits(model(prefill_ids, prefill_positions, prefill_meta)[last])
+
+    prefill_ms = timed_ms(prefill)
+    tokens = num_seqs * length
+    flops = tokens * costs.flops_per_token + num_seqs * length * (length + 1) // 2 * costs.attention_flops_per_pair
+    report["prefill"] = {"tokens": tokens, "ms": prefill_ms, "tflop_s": flops / prefill_ms / 1e9,
+                         "matmul_rate_frac": flops / prefill_ms * 1e3 / ceilings.matmul_flops_per_s}
+
+    batch, context = 256, 1024
+    ids, positions, meta = batch_meta(llm, batch, context, 1)
+    buffers = runner.buffers.on_device
+    buffers["input_ids"][:batch] = ids
+    buffers["positions"][:batch] = positions
+    buffers["slot_mapping"][:batch] = meta.slot_mapping
+    buffers["seq_lens"][:batch] = meta.seq_lens
+    runner.block_tables_batch[:batch, :meta.block_tables.shape[1]] = meta.block_tables
+    size = runner.graphs.batch_size_for(batch)
+    captured = dataclasses.replace(meta, slot_mapping=buffers["slot_mapping"][:size],
+                                   seq_lens=buffers["seq_lens"][:size], block_tables=runner.block_tables_batch[:size])
+
+    def decode():
+        return runner.graphs.replay(size, buffers["input_ids"][:size], buffers["positions"][:size], captured)
+
+    decode_ms = timed_ms(decode)
+    bytes_read = batch * context * costs.kv_bytes_per_token + costs.weight_bytes_per_step
+    report["decode"] = {"batch": batch, "context": context, "ms": decode_ms,
+                        "bytes_read_per_s": bytes_read / decode_ms * 1e3,
+                        "bandwidth_frac": bytes_read / decode_ms * 1e3 / ceilings.copy_bytes_per_s}
+    if args.profile:
+        report["prefill"]["top_kernels"] = top_kernels(prefill)
+        report["decode"]["top_kernels"] = top_kernels(decode)
+    llm.reset_prefix_cache()
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""`nanovllm bench`: the JSON schema of --compare, honest CPU figures, the workload and the roofline arithmetic."""
+import json
+
+from typer.testing import CliRunner
+
+from nanovllm_cli.bench import synthetic_workload
+from nanovllm_cli.main import app
+from nanovllm_cli.roofline import DeviceCeilings, ModelCosts, roofline_seconds
+
+MODE_KEYS = {"requests", "prompt_tokens", "output_tokens", "wall_s", "output_tok_s", "total_tok_s", "steps",
+             "gpu_busy_s", "gpu_busy_frac", "cpu_schedule_s", "cpu_prepare_s", "cpu_postprocess_s", "ttft_p50_s",
+             "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "roofline_s", "roofline_frac"}
+
+
+def test_compare_json_schema_on_cpu():
+    args = ["bench", "--model", "tiny-qwen3", "--load-format", "dummy", "--max-model-len", "256", "--num-seqs", "6",
+            "--input-len-range", "5", "40", "--output-len-range", "3", "12", "--compare", "--json"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    workload = synthetic_workload(6, (5, 40), (3, 12), 512, 0)
+    assert report["workload"]["prompt_tokens"] == sum(workload.prompt_lens)
+    assert report["device"] == "cpu" and report["ceilings"] is None
+    assert set(report["modes"]) == {"sync", "async"}
+    for mode, stats in report["modes"].items():
+        assert MODE_KEYS <= set(stats)
+        assert stats["loop"] == mode and stats["overlap"] is False  # nothing to overlap with on the CPU
+        assert stats["requests"] == 6 and stats["output_tokens"] == sum(workload.output_lens)
+        assert stats["prompt_tokens"] == sum(workload.prompt_lens)
+        for gpu_only in ("gpu_busy_s", "gpu_busy_frac", "gpu_idle_frac", "roofline_s", "roofline_frac"):
+            assert stats[gpu_only] is None
+        phases = stats["cpu_schedule_s"] + stats["cpu_prepare_s"] + stats["cpu_postprocess_s"]
+        assert 0 < phases <= stats["wall_s"]
+        assert stats["output_tok_s"] == stats["output_tokens"] / stats["wall_s"]
+    assert report["async_over_sync"] == report["modes"]["async"]["output_tok_s"] / report["modes"]["sync"][
+        "output_tok_s"]
+
+
+def test_bad_range_is_a_usage_error():
+    result = CliRunner().invoke(app, ["bench", "--model", "tiny-qwen3", "--input-len-range", "50", "10"])
+    assert result.exit_code == 2 and "input-len-range" in result.output
+
+
+def test_synthetic_workload_is_seeded_and_in_range():
+    a, b = synthetic_workload(50, (100, 200), (7, 9), 1000, 3), synthetic_workload(50, (100, 200), (7, 9), 1000, 3)
+    assert a.prompts == b.prompts and a.output_lens == b.output_lens
+    assert all(100 <= n <= 200 for n in a.prompt_lens) and all(7 <= n <= 9 for n in a.output_lens)
+    assert all(0 <= t < 1000 for p in a.prompts for t in p)
+
+
+def test_roofline_by_hand():
+    """Two sequences (prompt 3, 2 outputs) and (prompt 1, 3 outputs), batch limit 1 (two waves).
+    KV tokens read by decode (a step writes its token, then attends to it too): A reads 4 once; B reads 2 then 3
+    -> 9 tokens. Decode steps: 2 waves x
+    (3 - 1) = 4. Prefill FLOPs: (3 + 1) tokens x 10 + causal pairs (6 + 1) x 2."""
+    costs = ModelCosts(kv_bytes_per_token=100, weight_bytes_per_step=1000, flops_per_token=10,
+                       attention_flops_per_pair=2)
+    ceilings = DeviceCeilings("test", copy_bytes_per_s=1e4, matmul_flops_per_s=1e2)
+    expected = (9 * 100 + 4 * 1000) / 1e4 + (4 * 10 + 7 * 2) / 1e2
+    assert abs(roofline_seconds(costs, [3, 1], [2, 3], 1, ceilings) - expected) < 1e-12
