@@ -15,6 +15,21 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
     v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep]
 
 
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                           scale: float) -> torch.Tensor:
+    """One query token per sequence: all contexts gathered at once into a padded batch, one attention call."""
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    positions = torch.arange(meta.max_seq_len, device=q.device)
+    tables = meta.block_tables[:, positions // block_size].long().clamp_min(0)  # -1 past a table's end
+    slots = tables * block_size + positions % block_size
+    k = k_cache.view(-1, num_kv_heads, head_dim)[slots]  # [batch, max_seq_len, kv_heads, head_dim]
+    v = v_cache.view(-1, num_kv_heads, head_dim)[slots]
+    visible = (positions.unsqueeze(0) < meta.seq_lens.unsqueeze(1)).view(len(slots), 1, 1, -1)
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=visible,
+                                         scale=scale, enable_gqa=True)
+    return out.squeeze(2)
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim]; reads every sequence's whole context from the cache, causal."""
@@ -49,4 +64,6 @@ class TorchAttentionBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.max_query_len == 1:
+            return paged_decode_attention(q, k_cache, v_cache, meta, scale)
         return paged_attention(q, k_cache, v_cache, meta, scale)
