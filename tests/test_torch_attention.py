@@ -19,6 +19,14 @@ def test_batched_decode_matches_per_sequence_reference():
         start += count
     meta = AttentionMetadata(slot_mapping=torch.full((4,), -1), query_start_loc=torch.arange(5, dtype=torch.int32),
                              seq_lens=seq_lens, block_tables=tables, max_query_len=1, max_seq_len=13)
+    # Every slot no sequence holds is NaN, as an unused cache slot may be: the batched path must never let one in.
+    used = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+    for i, n in enumerate(seq_lens.tolist()):
+        positions = torch.arange(n)
+        used[tables[i, positions // block_size].long() * block_size + positions % block_size] = True
+    for cache in (k_cache, v_cache):
+        cache.view(-1, kv_heads, dim)[~used] = float("nan")
     q = torch.randn(4, heads, dim)
     expected = paged_attention(q, k_cache, v_cache, meta, 0.3)
+    assert expected.isfinite().all()
     assert torch.allclose(paged_decode_attention(q, k_cache, v_cache, meta, 0.3), expected, atol=1e-5)

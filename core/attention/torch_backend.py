@@ -22,11 +22,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     positions = torch.arange(meta.max_seq_len, device=q.device)
     tables = meta.block_tables[:, positions // block_size].long().clamp_min(0)  # -1 past a table's end
     slots = tables * block_size + positions % block_size
-    k = k_cache.view(-1, num_kv_heads, head_dim)[slots]  # [batch, max_seq_len, kv_heads, head_dim]
-    v = v_cache.view(-1, num_kv_heads, head_dim)[slots]
-    visible = (positions.unsqueeze(0) < meta.seq_lens.unsqueeze(1)).view(len(slots), 1, 1, -1)
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=visible,
-                                         scale=scale, enable_gqa=True)
+    visible = positions.unsqueeze(0) < meta.seq_lens.unsqueeze(1)  # [batch, max_seq_len]
+    # Slots past a sequence's end hold whatever an unused cache slot holds (NaN included), and a masked score
+    # still multiplies its V row by zero: zero them so they cannot poison the sum.
+    hidden = ~visible.view(*visible.shape, 1, 1)
+    k = k_cache.view(-1, num_kv_heads, head_dim)[slots].masked_fill_(hidden, 0)  # [batch, max_seq_len, kv_heads, dim]
+    v = v_cache.view(-1, num_kv_heads, head_dim)[slots].masked_fill_(hidden, 0)
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=visible.view(len(slots), 1, 1, -1), scale=scale, enable_gqa=True)
     return out.squeeze(2)
 
 
