@@ -1,46 +1,67 @@
-"""The incremental device block tables and the fixed-offset step buffers (CPU)."""
+"""The per-sequence rows (incremental block tables, per-row settings) and the fixed-offset step buffers (CPU)."""
 import numpy as np
+import pytest
 import torch
 from helpers import make_seq
 
 from nanovllm.engine.cuda_graphs import batch_size_ladder
 from nanovllm.engine.sequence import SequenceStatus
-from nanovllm.engine.step_buffers import DeviceBlockTables, Field, StepBuffers
+from nanovllm.engine.step_buffers import Field, SequenceRows, StepBuffers
+
+VOCAB = 100
 
 
-def rows_of(tables: DeviceBlockTables, seqs) -> torch.Tensor:
-    rows, updates = tables.sync(seqs)
-    tables.apply(updates)
-    return tables.table[rows]
+def sync(rows: SequenceRows, seqs) -> tuple[list[int], list[tuple[int, int, int]]]:
+    """Rows of `seqs` after a sync applied to the device tables, and the (row, column, block) entries it sent."""
+    staged = np.zeros(64, dtype=np.int32)
+    ids, count = rows.sync(seqs, staged)
+    rows.apply(torch.from_numpy(staged), count)
+    sent = [(int(i) // rows.width, int(i) % rows.width, int(b)) for i, b in zip(staged[:count], staged[count:2 * count])]
+    return ids, sent
 
 
-def test_block_tables_send_only_new_entries_and_resync_after_preemption():
-    tables = DeviceBlockTables(max_rows=4, max_blocks_per_seq=6, device=torch.device("cpu"))
+def test_tables_send_only_new_entries_and_resync_after_preemption():
+    rows = SequenceRows(max_rows=4, max_blocks_per_seq=6, vocab_size=VOCAB, device=torch.device("cpu"))
     a, b = make_seq([1] * 40), make_seq([2] * 10)
     for seq in (a, b):
         seq.status = SequenceStatus.RUNNING
     a.block_table, b.block_table = [7, 3, 9], [5]
-    assert rows_of(tables, [a, b])[:, :3].tolist() == [[7, 3, 9], [5, 0, 0]]
+    ids, _ = sync(rows, [a, b])
+    assert rows.device_tables[ids][:, :3].tolist() == [[7, 3, 9], [5, 0, 0]]
     a.block_table.append(11)
-    rows, updates = tables.sync([a, b])
-    assert updates == [rows[0], 3, 11]  # one (row, column, block) triple: the appended block only
-    tables.apply(updates)
+    ids, sent = sync(rows, [a, b])
+    assert sent == [(ids[0], 3, 11)]  # the appended block only
     a.block_table, a.epoch = [2, 4], a.epoch + 1  # preempted and readmitted: a new table, all of it re-sent
-    rows, updates = tables.sync([a])
-    assert updates == [rows[0], 0, 2, rows[0], 1, 4]
+    ids, sent = sync(rows, [a])
+    assert sent == [(ids[0], 0, 2), (ids[0], 1, 4)]
+    assert rows.device_tables[ids[0], :2].tolist() == [2, 4]
+    assert np.array_equal(rows.host_tables, rows.device_tables.numpy())  # the host mirror agrees
+
+
+def test_rows_hold_sampling_settings_and_refresh_them_on_a_new_epoch():
+    rows = SequenceRows(max_rows=2, max_blocks_per_seq=2, vocab_size=VOCAB, device=torch.device("cpu"))
+    seq = make_seq([1, 2, 3], temperature=0.5, top_k=0, top_p=0.9, min_p=0.1)
+    seq.status, seq.block_table, seq.num_shared_kv_tokens = SequenceStatus.RUNNING, [1], 0
+    (row,), _ = sync(rows, [seq])
+    assert (rows.temperature[row], rows.top_k[row], rows.top_p[row], rows.min_p[row]) == (
+        np.float32(0.5), VOCAB, np.float32(0.9), np.float32(0.1))
+    assert rows.num_prompt_tokens[row] == 3 and rows.seed[row] == seq.sampling_seed
+    seq.num_shared_kv_tokens, seq.epoch = 16, seq.epoch + 1  # readmitted onto prefix-cache hits
+    (row,), _ = sync(rows, [seq])
+    assert rows.num_shared_kv_tokens[row] == 16
 
 
 def test_rows_of_stopped_sequences_are_reclaimed():
-    tables = DeviceBlockTables(max_rows=2, max_blocks_per_seq=2, device=torch.device("cpu"))
+    rows = SequenceRows(max_rows=2, max_blocks_per_seq=2, vocab_size=VOCAB, device=torch.device("cpu"))
     first = [make_seq([1]), make_seq([2])]
     for seq in first:
         seq.status, seq.block_table = SequenceStatus.RUNNING, [1]
-    tables.sync(first)
+    sync(rows, first)
     first[0].status = SequenceStatus.FINISHED
     late = make_seq([3])
     late.status, late.block_table = SequenceStatus.RUNNING, [8]
-    rows, _ = tables.sync([first[1], late])
-    assert len(set(rows)) == 2 and tables.padding_row == 2
+    ids, _ = sync(rows, [first[1], late])
+    assert len(set(ids)) == 2 and rows.padding_row == 2
 
 
 def test_step_buffers_round_trip_typed_fields():
@@ -61,3 +82,16 @@ def test_graph_ladder_covers_every_batch_size():
     ladder = batch_size_ladder(100)
     assert ladder[:4] == [1, 2, 4, 8] and ladder[-1] == 100
     assert all(b - a <= 16 for a, b in zip(ladder, ladder[1:]))
+
+
+@pytest.mark.gpu
+def test_upload_copies_only_the_used_part_of_the_last_field():
+    buffers = StepBuffers([Field("ids", torch.int64, 4), Field("tail", torch.int32, 8)], torch.device("cuda"))
+    for round_ in range(3):  # both pinned host buffers, and a device buffer that already holds older steps
+        host = buffers.begin()
+        host["ids"][:] = [round_] * 4
+        host["tail"][:] = np.arange(8) + 10 * round_
+        buffers.upload(3 if round_ else 8)
+    torch.cuda.synchronize()
+    assert buffers.on_device["ids"].tolist() == [2] * 4
+    assert buffers.on_device["tail"].tolist() == [20, 21, 22, 3, 4, 5, 6, 7]

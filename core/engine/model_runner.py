@@ -10,7 +10,7 @@ from nanovllm.config import EngineConfig
 from nanovllm.distributed import min_over_ranks
 from nanovllm.engine.cuda_graphs import DecodeGraphs
 from nanovllm.engine.scheduler import ScheduledBatch
-from nanovllm.engine.step_buffers import DeviceBlockTables, Field, StepBuffers
+from nanovllm.engine.step_buffers import Field, SequenceRows, StepBuffers
 from nanovllm.layers.sampler import SamplingTensors, sample
 from nanovllm.loaders import ResolvedModel, load_dummy_weights, load_safetensors_weights
 from nanovllm.models.llama import LlamaForCausalLM, head_dim_of, kv_heads_per_rank
@@ -82,11 +82,11 @@ class ModelRunner:
         self.attention_backend = backend.name
 
         self.max_batch_size = min(config.max_num_seqs, config.max_num_batched_tokens)
-        max_blocks_per_seq = -(-max_model_len // self.block_size)
+        self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.buffers = StepBuffers(self._step_fields(), self.device)
         # Rows for twice the running sequences: finished ones are reclaimed in bulk, rarely.
-        self.block_tables = DeviceBlockTables(2 * self.max_batch_size, max_blocks_per_seq, self.device)
-        self.block_tables_batch = torch.zeros(self.max_batch_size, max_blocks_per_seq, dtype=torch.int32,
+        self.rows = SequenceRows(2 * self.max_batch_size, self.max_blocks_per_seq, self.vocab_size, self.device)
+        self.block_tables_batch = torch.zeros(self.max_batch_size, self.max_blocks_per_seq, dtype=torch.int32,
                                               device=self.device)
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager and backend.supports_cuda_graphs:
@@ -163,102 +163,102 @@ class ModelRunner:
             Field("placeholder_rows", i64, max_seqs), Field("placeholder_sources", i64, max_seqs),
             Field("temperatures", f32, max_seqs), Field("top_k", i64, max_seqs), Field("top_p", f32, max_seqs),
             Field("min_p", f32, max_seqs), Field("seeds", i64, max_seqs), Field("sample_positions", i64, max_seqs),
+            # Last, because it is uploaded only as far as it is used: block-table entries new to the device
+            # (flat indices, then block ids); at most every table of a full batch.
+            Field("table_updates", i32, 2 * max_seqs * self.max_blocks_per_seq),
         ]
 
     def prepare(self, batch: ScheduledBatch, previous: StepHandle | None = None) -> StepInputs:
         """Device inputs for `batch`. A position past a sequence's known tokens is the token that the previous
-        (still running) step samples for it: its id is gathered on the device from that step's output."""
-        block_size = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start = [0]
-        seq_lens: list[int] = []
-        placeholder_rows: list[int] = []
-        placeholder_sources: list[int] = []
-        for seq, num_new, start, source in zip(batch.seqs, batch.num_new_tokens, batch.start_positions,
-                                               batch.placeholder_sources):
-            end = start + num_new
-            table = seq.block_table
-            if num_new == 1:  # the decode fast path
-                if source >= 0:
-                    placeholder_rows.append(len(input_ids))
-                    placeholder_sources.append(source)
-                    input_ids.append(0)
-                else:
-                    input_ids.append(seq.token_ids[start])
-                positions.append(start)
-                slots.append(table[start // block_size] * block_size + start % block_size
-                             if start >= seq.num_shared_kv_tokens else -1)
-            else:
-                known = seq.token_ids[start:end]
-                if source >= 0:  # only ever the last token, sampled by the step in flight
-                    placeholder_rows.append(len(input_ids) + len(known))
-                    placeholder_sources.append(source)
-                    known = known + [0]
-                input_ids.extend(known)
-                positions.extend(range(start, end))
-                shared = seq.num_shared_kv_tokens
-                slots.extend(-1 if p < shared else table[p // block_size] * block_size + p % block_size
-                             for p in range(start, end))
-            query_start.append(query_start[-1] + num_new)
-            seq_lens.append(end)
-        rows, table_updates = self.block_tables.sync(batch.seqs)
+        (still running) step samples for it: its id is gathered on the device from that step's output.
 
-        num_tokens, num_seqs = len(input_ids), len(batch.seqs)
-        graph_size = self.graphs.batch_size_for(num_seqs) if self.graphs and batch.is_pure_decode else None
-        padded_seqs = graph_size or num_seqs
+        Per sequence, only the input ids and the row lookup are Python work; everything else is vectorised over
+        the batch from the sequences' rows (block tables, sampling settings)."""
+        seqs = batch.seqs
+        num_seqs = len(seqs)
         host = self.buffers.begin()
+        rows, num_table_updates = self.rows.sync(seqs, host["table_updates"])
+        input_ids: list[int] = []
+        for seq, start, num_new, source in zip(seqs, batch.start_positions, batch.num_new_tokens,
+                                               batch.placeholder_sources):
+            input_ids += seq.token_ids[start:start + num_new]
+            if source >= 0:  # the last input is sampled by the step in flight: gathered on the device below
+                input_ids.append(0)
+        num_tokens = len(input_ids)
+        pure_decode = num_tokens == num_seqs
+        graph_size = self.graphs.batch_size_for(num_seqs) if self.graphs and pure_decode else None
+        padded_seqs = graph_size or num_seqs
+
+        host_rows = host["rows"][:padded_seqs]
+        host_rows[:num_seqs] = rows
+        host_rows[num_seqs:] = self.rows.padding_row
+        rows = host_rows[:num_seqs]
+        starts = np.array(batch.start_positions, dtype=np.int64)
+        query_start = host["query_start_loc"][:num_seqs + 1]
+        if pure_decode:
+            query_start[:] = np.arange(num_seqs + 1)
+            positions, token_rows, ends = starts, rows, starts + 1
+        else:
+            num_new = np.array(batch.num_new_tokens, dtype=np.int64)
+            query_start[0] = 0
+            np.cumsum(num_new, out=query_start[1:])
+            positions = np.arange(num_tokens) + np.repeat(starts - query_start[:-1], num_new)
+            token_rows = np.repeat(rows, num_new)
+            ends = starts + num_new
+        block_size = self.block_size
+        slots = host["slot_mapping"][:num_tokens]
+        np.add(self.rows.host_tables[token_rows, positions // block_size] * block_size, positions % block_size,
+               out=slots)
+        slots[positions < self.rows.num_shared_kv_tokens[token_rows]] = -1  # complete shared blocks: no write
         host["input_ids"][:num_tokens] = input_ids
         host["positions"][:num_tokens] = positions
-        host["slot_mapping"][:num_tokens] = slots
-        host["query_start_loc"][:num_seqs + 1] = query_start
-        host["seq_lens"][:num_seqs] = seq_lens
-        host["rows"][:num_seqs] = rows
-        if padded_seqs > num_seqs:  # graph padding: one token each, no KV written, an all-zero table row
+        host["seq_lens"][:num_seqs] = ends
+        np.subtract(query_start[1:], 1, out=host["logits_indices"][:num_seqs])
+        if padded_seqs > num_seqs:  # graph padding: one token each, no KV written, the all-zero table row
             pad = slice(num_seqs, padded_seqs)
             host["input_ids"][pad] = 0
             host["positions"][pad] = 0
             host["slot_mapping"][pad] = -1
             host["query_start_loc"][num_seqs + 1:padded_seqs + 1] = np.arange(num_tokens + 1, padded_seqs + 1)
             host["seq_lens"][pad] = 1
-            host["rows"][pad] = self.block_tables.padding_row
-        host["logits_indices"][:num_seqs] = query_start[1:]
-        host["logits_indices"][:num_seqs] -= 1
-        num_placeholders = len(placeholder_rows)
-        host["placeholder_rows"][:num_placeholders] = placeholder_rows
-        host["placeholder_sources"][:num_placeholders] = placeholder_sources
-        params = [seq.params for seq in batch.seqs]
-        all_greedy = all(p.temperature == 0 for p in params)
-        any_filter = not all_greedy and any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params)
+        num_placeholders = batch.num_placeholders
+        if num_placeholders:
+            sources = np.array(batch.placeholder_sources, dtype=np.int64)
+            placeholders = np.flatnonzero(sources >= 0)
+            host["placeholder_rows"][:num_placeholders] = query_start[placeholders + 1] - 1
+            host["placeholder_sources"][:num_placeholders] = sources[placeholders]
+        temperatures = host["temperatures"][:num_seqs]
+        np.take(self.rows.temperature, rows, out=temperatures)
+        all_greedy = not temperatures.any()
+        any_filter = False
         if not all_greedy:
-            host["temperatures"][:num_seqs] = [p.temperature for p in params]
-            host["top_k"][:num_seqs] = [p.top_k if p.top_k > 0 else self.vocab_size for p in params]
-            host["top_p"][:num_seqs] = [p.top_p for p in params]
-            host["min_p"][:num_seqs] = [p.min_p for p in params]
-            host["seeds"][:num_seqs] = [seq.sampling_seed for seq in batch.seqs]
-            # index of the output token each row draws (pending tokens of the step in flight come first)
-            host["sample_positions"][:num_seqs] = [seq.num_output_tokens + seq.num_pending_tokens - 1
-                                                   for seq in batch.seqs]
-        self.buffers.upload()
+            for name, values in (("top_k", self.rows.top_k), ("top_p", self.rows.top_p),
+                                 ("min_p", self.rows.min_p), ("seeds", self.rows.seed)):
+                np.take(values, rows, out=host[name][:num_seqs])
+            any_filter = bool((host["top_k"][:num_seqs] < self.vocab_size).any()
+                              or (host["top_p"][:num_seqs] < 1).any() or host["min_p"][:num_seqs].any())
+            # index of the output token each row draws: the token after the chunk's last position
+            np.subtract(ends, self.rows.num_prompt_tokens[rows], out=host["sample_positions"][:num_seqs])
+        self.buffers.upload(2 * num_table_updates)
 
         device = self.buffers.on_device
-        self.block_tables.apply(table_updates)
+        self.rows.apply(device["table_updates"], num_table_updates)
         block_tables = self.block_tables_batch[:padded_seqs]
-        torch.index_select(self.block_tables.table, 0, device["rows"][:padded_seqs], out=block_tables)
+        torch.index_select(self.rows.device_tables, 0, device["rows"][:padded_seqs], out=block_tables)
         num_rows = padded_seqs if graph_size else num_tokens
         ids = device["input_ids"][:num_rows]
         if num_placeholders:
             ids[device["placeholder_rows"][:num_placeholders]] = previous.sampled[
                 device["placeholder_sources"][:num_placeholders]]
+        max_seq_len = int(ends.max())
         meta = AttentionMetadata(
             slot_mapping=device["slot_mapping"][:num_rows],
             query_start_loc=device["query_start_loc"][:padded_seqs + 1],
             seq_lens=device["seq_lens"][:padded_seqs],
             block_tables=block_tables,
-            max_query_len=max(batch.num_new_tokens),
-            max_seq_len=max(seq_lens),
-            decode_num_splits=self.backend.decode_num_splits(num_seqs, max(seq_lens), self.num_kv_heads),
+            max_query_len=1 if pure_decode else max(batch.num_new_tokens),
+            max_seq_len=max_seq_len,
+            decode_num_splits=self.backend.decode_num_splits(num_seqs, max_seq_len, self.num_kv_heads),
         )
         sampling = SamplingTensors(
             temperatures=device["temperatures"][:num_seqs], top_k=device["top_k"][:num_seqs],

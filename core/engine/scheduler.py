@@ -23,12 +23,17 @@ class ScheduledBatch:
     samples: list[bool] = field(default_factory=list)
     epochs: list[int] = field(default_factory=list)
     placeholder_sources: list[int] = field(default_factory=list)
+    num_placeholders: int = 0
 
     def add(self, seq: Sequence, num_new_tokens: int, start: int, num_effective_tokens: int) -> None:
         """Compute `num_new_tokens` of `seq` from position `start` (its scheduled = committed + in-flight count)."""
         end = start + num_new_tokens
         samples = end == num_effective_tokens
-        self.placeholder_sources.append(seq.last_sample_index if end > len(seq.token_ids) else -1)
+        if end > len(seq.token_ids):
+            self.placeholder_sources.append(seq.last_sample_index)
+            self.num_placeholders += 1
+        else:
+            self.placeholder_sources.append(-1)
         self.seqs.append(seq)
         self.num_new_tokens.append(num_new_tokens)
         self.start_positions.append(start)
@@ -49,7 +54,7 @@ class ScheduledBatch:
     @property
     def is_pure_decode(self) -> bool:
         """Every sequence computes exactly one token: the CUDA-graph fast path."""
-        return all(n == 1 for n in self.num_new_tokens)
+        return self.num_tokens == len(self.seqs)
 
 
 class Scheduler:
@@ -96,23 +101,24 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         preemptions_before = self.num_preemptions
-        capacity_per_block = self.block_manager.block_size
-        index = 0
-        while index < len(self.running) and budget > 0:  # the hot loop of every decode step: kept lean
-            seq = self.running[index]
+        block_size = self.block_manager.block_size
+        add = batch.add
+        # The hot loop of every decode step: kept lean. `_make_room` pops preempted sequences off the end of
+        # `running`, and iterating a list that shrinks at its end never reaches the popped ones.
+        for seq in self.running:
+            if budget <= 0:
+                break
             effective = len(seq.token_ids) + seq.num_pending_tokens
             if effective >= seq.max_len:
-                index += 1  # its last token is already in flight: nothing more to compute
-                continue
+                continue  # its last token is already in flight: nothing more to compute
             start = seq.num_cached_tokens + seq.num_inflight_tokens
             num_new = min(effective - start, budget)
-            if start + num_new > len(seq.block_table) * capacity_per_block:
+            if start + num_new > len(seq.block_table) * block_size:
                 if not self._make_room(seq, start + num_new):
                     break
                 self.block_manager.grow(seq, start + num_new)
-            batch.add(seq, num_new, start, effective)
+            add(seq, num_new, start, effective)
             budget -= num_new
-            index += 1
         preempted = self.num_preemptions != preemptions_before
 
         # Admitting new work right after a preemption would only thrash the cache.

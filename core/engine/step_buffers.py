@@ -3,8 +3,11 @@
 `StepBuffers` lays every per-step array out at a fixed offset of one byte buffer that exists twice: in pinned
 host memory (double-buffered, so the host fills one while the other's copy may still be queued) and on the
 device. A step is one memcpy; the device views have fixed addresses, which is what CUDA graphs capture.
-`DeviceBlockTables` keeps each running sequence's block table on the device, one row per sequence, so a step
-sends only the entries added since the sequence's previous step instead of every table."""
+`SequenceRows` gives each running sequence a row that it keeps while it runs: its block table (mirrored on the
+host and on the device, so a step sends only the entries added since the sequence's previous step) and the
+settings that do not change while it runs (sampling, prompt length), so a step gathers them by row instead of
+rebuilding them from Python objects.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -36,10 +39,13 @@ class StepBuffers:
         self.fields = {f.name: f for f in fields}
         self.size = size
         self.device = device
-        pin = device.type == "cuda"
-        self._host_bytes = [torch.zeros(size, dtype=torch.uint8, pin_memory=pin) for _ in range(2 if pin else 1)]
+        self.on_cpu = device.type == "cpu"
+        # On the CPU the host buffer is the device buffer: a step runs to its end before the next is prepared.
+        self._host_bytes = [torch.zeros(size, dtype=torch.uint8, pin_memory=not self.on_cpu)
+                            for _ in range(1 if self.on_cpu else 2)]
         self._copied = [None] * len(self._host_bytes)  # event after each host buffer's last copy was queued
-        self._device_bytes = torch.zeros(size, dtype=torch.uint8, device=device)
+        self._device_bytes = (self._host_bytes[0] if self.on_cpu
+                              else torch.zeros(size, dtype=torch.uint8, device=device))
         self.on_device = {name: self._view(self._device_bytes, name) for name in self.fields}
         self._hosts = [{name: self._view(b, name).numpy() for name in self.fields} for b in self._host_bytes]
         self._current = 0
@@ -57,12 +63,16 @@ class StepBuffers:
             event.synchronize()
         return self._hosts[self._current]
 
-    def upload(self) -> None:
-        """Queue the copy of the filled host buffer to the device on the current stream."""
-        if self.device.type == "cpu":
-            self._device_bytes.copy_(self._host_bytes[self._current])
+    def upload(self, last_field_length: int | None = None) -> None:
+        """Queue the copy of the filled host buffer to the device on the current stream. The last field may be
+        copied only in part (its first `last_field_length` elements): it is the one whose use varies most."""
+        if self.on_cpu:
             return
-        self._device_bytes.copy_(self._host_bytes[self._current], non_blocking=True)
+        size = self.size
+        if last_field_length is not None:
+            last = self.fields[next(reversed(self.fields))]
+            size = self.offsets[last.name] + last_field_length * last.dtype.itemsize
+        self._device_bytes[:size].copy_(self._host_bytes[self._current][:size], non_blocking=True)
         event = torch.cuda.Event()
         event.record()
         self._copied[self._current] = event
@@ -73,53 +83,80 @@ class _Row:
     seq: Sequence
     row: int
     epoch: int
-    num_synced: int  # leading block-table entries already on the device
+    num_synced: int  # leading block-table entries already in the row
 
 
-class DeviceBlockTables:
-    """Block tables of running sequences mirrored on the device; sequences keep their row while they run.
+class SequenceRows:
+    """Per-sequence step state of running sequences, one row each (the last row is never assigned: graph padding
+    entries use it; its table is all zeros).
 
-    A row whose sequence stopped running (finished, or preempted: its table was freed) is reclaimed when rows run
-    out; a preempted sequence that comes back gets its table re-sent from scratch (its epoch changed)."""
+    A row is (re)filled when its sequence first runs and whenever its epoch changes (preempted and readmitted:
+    new table, new prefix hits); a row whose sequence stopped running is reclaimed when rows run out. Between
+    those, a sequence's table only grows, so `sync` sends only the appended entries."""
 
-    def __init__(self, max_rows: int, max_blocks_per_seq: int, device: torch.device):
-        # One extra all-zero row, never assigned: the table of padding entries in graph-sized batches.
-        self.table = torch.zeros(max_rows + 1, max_blocks_per_seq, dtype=torch.int32, device=device)
+    def __init__(self, max_rows: int, max_blocks_per_seq: int, vocab_size: int, device: torch.device):
+        rows = max_rows + 1
         self.padding_row = max_rows
-        self.device = device
+        self.width = max_blocks_per_seq
+        self.device_tables = torch.zeros(rows, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.host_tables = np.zeros((rows, max_blocks_per_seq), dtype=np.int32)
+        self.temperature = np.zeros(rows, dtype=np.float32)
+        self.top_k = np.full(rows, vocab_size, dtype=np.int64)  # vocab size = no top-k
+        self.top_p = np.ones(rows, dtype=np.float32)
+        self.min_p = np.zeros(rows, dtype=np.float32)
+        self.seed = np.zeros(rows, dtype=np.int64)
+        self.num_prompt_tokens = np.zeros(rows, dtype=np.int64)
+        self.num_shared_kv_tokens = np.zeros(rows, dtype=np.int64)  # KV below this is in shared, complete blocks
+        self._vocab_size = vocab_size
         self._rows: dict[int, _Row] = {}  # seq_id -> row
         self._free = list(range(max_rows - 1, -1, -1))
 
-    def sync(self, seqs: list[Sequence]) -> tuple[list[int], list[int]]:
-        """Rows of `seqs`, and the flat (row, column, block) triples to write so that the rows are current."""
-        rows, updates = [], []
+    def sync(self, seqs: list[Sequence], table_updates: np.ndarray) -> tuple[list[int], int]:
+        """Rows of `seqs`, with the host tables made current; the device's pending entries are written to
+        `table_updates` (flat table indices, then the block ids, n each) and n is returned with the rows."""
+        rows, flat_indices, blocks = [], [], []
+        width = self.width
         for seq in seqs:
             entry = self._rows.get(seq.seq_id)
             if entry is None or entry.epoch != seq.epoch:
-                entry = self._assign(seq) if entry is None else entry
-                entry.epoch, entry.num_synced = seq.epoch, 0
+                entry = self._refill(seq, entry)
             table = seq.block_table
-            if len(table) > entry.num_synced:
-                row = entry.row
-                for column in range(entry.num_synced, len(table)):
-                    updates += (row, column, table[column])
+            synced = entry.num_synced
+            if len(table) > synced:
+                base = entry.row * width
+                flat_indices += range(base + synced, base + len(table))
+                blocks += table[synced:]
                 entry.num_synced = len(table)
             rows.append(entry.row)
-        return rows, updates
+        count = len(blocks)
+        if count:
+            if 2 * count > len(table_updates):
+                raise RuntimeError(f"{count} block-table entries to send exceed the step buffer's room")
+            table_updates[:count] = flat_indices
+            table_updates[count:2 * count] = blocks
+            self.host_tables.reshape(-1)[table_updates[:count]] = table_updates[count:2 * count]
+        return rows, count
 
-    def apply(self, updates: list[int]) -> None:
-        if not updates:
-            return
-        pin = self.device.type == "cuda"
-        flat = torch.tensor(updates, dtype=torch.int64, pin_memory=pin).to(self.device, non_blocking=True)
-        triples = flat.view(-1, 3)
-        self.table[triples[:, 0], triples[:, 1]] = triples[:, 2].to(torch.int32)
+    def apply(self, table_updates: torch.Tensor, count: int) -> None:
+        """Write the entries that `sync` staged (now on the device) into the device tables."""
+        if count:
+            self.device_tables.view(-1)[table_updates[:count]] = table_updates[count:2 * count]
 
-    def _assign(self, seq: Sequence) -> _Row:
-        if not self._free:
-            self._reclaim()
-        entry = _Row(seq, self._free.pop(), seq.epoch, 0)
-        self._rows[seq.seq_id] = entry
+    def _refill(self, seq: Sequence, entry: _Row | None) -> _Row:
+        if entry is None:
+            if not self._free:
+                self._reclaim()
+            entry = _Row(seq, self._free.pop(), seq.epoch, 0)
+            self._rows[seq.seq_id] = entry
+        entry.epoch, entry.num_synced = seq.epoch, 0
+        row, params = entry.row, seq.params
+        self.temperature[row] = params.temperature
+        self.top_k[row] = params.top_k if params.top_k > 0 else self._vocab_size
+        self.top_p[row] = params.top_p
+        self.min_p[row] = params.min_p
+        self.seed[row] = seq.sampling_seed
+        self.num_prompt_tokens[row] = seq.num_prompt_tokens
+        self.num_shared_kv_tokens[row] = seq.num_shared_kv_tokens
         return entry
 
     def _reclaim(self) -> None:
@@ -128,4 +165,4 @@ class DeviceBlockTables:
                 del self._rows[seq_id]
                 self._free.append(entry.row)
         if not self._free:
-            raise RuntimeError("more running sequences than block-table rows")
+            raise RuntimeError("more running sequences than rows")
