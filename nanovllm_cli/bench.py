@@ -44,7 +44,7 @@ def dataset_workload(llm, path: Path, max_tokens: int) -> Workload:
     fmt = detect_format(path, None)
     parser = RowParser({"max_tokens": max_tokens}, 0, "row" if fmt == "parquet" else "line")
     prompts, output_lens = [], []
-    for row in tokenized_rows(path, fmt, parser, llm):
+    for row in tokenized_rows(path, fmt, parser, llm.prompts):
         if isinstance(row, RowRequest):
             prompts.append(row.token_ids)
             output_lens.append(row.params.max_tokens)

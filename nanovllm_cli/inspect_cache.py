@@ -40,12 +40,13 @@ def inspect_cache(
     each order, bytes per block, the most shared prefixes and a prompt-length histogram. Rows that `run` would
     reject are counted as failed. Exit code 0, or 2 for a usage error.
     """
+    from nanovllm import PromptTokenizer
     from nanovllm.config import EngineConfig
     from nanovllm.loaders import resolve_model
     from nanovllm_cli.cache_analysis import CacheAnalysis
     from nanovllm_cli.readers import detect_format
     from nanovllm_cli.rows import RowError, RowParser
-    from nanovllm_cli.tokenize import DryTokenizer, tokenized_rows
+    from nanovllm_cli.tokenize import tokenized_rows
 
     try:
         fmt = detect_format(input_path, input_format)
@@ -53,23 +54,18 @@ def inspect_cache(
             block_size=block_size, dtype=dtype, device=device, kv_cache_gib=kv_cache_gib,
             gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len, load_format="dummy"))
         resolved = resolve_model(model, config.load_format)
-        tokenizer = None
-        if resolved.tokenizer_dir is not None:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(str(resolved.tokenizer_dir))
+        prompts = PromptTokenizer.for_model(resolved)
         memory = cache_memory(config, resolved.hf_config, num_blocks)
     except (ValueError, OSError) as exc:
         raise o.fail(str(exc)) from None
 
     hf = resolved.hf_config
     limit = config.max_model_len or hf.max_position_embeddings
-    dry = DryTokenizer(resolved.name, hf, tokenizer)
     parser = RowParser({}, 0, "row" if fmt == "parquet" else "line")
     analysis = CacheAnalysis(block_size, memory["num_blocks"], window)
     rows = 0
     errors: list[str] = []
-    for row in tokenized_rows(input_path, fmt, parser, dry):
+    for row in tokenized_rows(input_path, fmt, parser, prompts):
         rows += 1
         if not isinstance(row, RowError) and len(row.token_ids) >= limit:
             row = RowError(row.id, row.where, f"prompt has {len(row.token_ids)} tokens, but max_model_len is {limit}")
@@ -82,7 +78,7 @@ def inspect_cache(
               "rows_ok": rows - len(errors), "rows_failed": len(errors), "errors": errors[:10],
               **analysis.report(top)}
     for prefix in report["top_prefixes"]:
-        prefix["text"] = prefix_text(prefix.pop("token_ids"), tokenizer)
+        prefix["text"] = prefix_text(prefix.pop("token_ids"), prompts.tokenizer)
     if json_out:
         typer.echo(json.dumps(report))
     else:
@@ -93,12 +89,11 @@ def cache_memory(config: EngineConfig, hf: object, num_blocks: int | None) -> di
     """Bytes per KV block and the number of blocks: given, or what the engine's memory budget would give."""
     import torch
 
-    from nanovllm.models.llama import head_dim_of
+    from nanovllm.models.llama import kv_block_bytes
 
     device = config.resolve_device()
     itemsize = config.resolve_dtype(device).itemsize
-    bytes_per_block = (2 * hf.num_hidden_layers * config.block_size * hf.num_key_value_heads * head_dim_of(hf)
-                       * itemsize)
+    bytes_per_block = kv_block_bytes(hf, config.block_size, itemsize, hf.num_key_value_heads)
     if num_blocks is not None:
         source = "--num-blocks"
     elif device.type == "cpu":

@@ -96,7 +96,7 @@ class BatchRunner:
                 continue
             self.seen.add(row.id)
             if isinstance(row, RowRequest):
-                row = tokenize_row(row, self.llm)
+                row = tokenize_row(row, self.llm.prompts)
             if isinstance(row, RowError):
                 self._write_error(row)
                 continue

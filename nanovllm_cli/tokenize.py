@@ -6,31 +6,12 @@ from pathlib import Path
 
 from jinja2.exceptions import TemplateError
 
-from nanovllm import LLM
+from nanovllm import PromptTokenizer
 from nanovllm_cli.readers import iter_rows
 from nanovllm_cli.rows import RowError, RowParser, RowRequest
 
 
-class DryTokenizer:
-    """The engine's tokenization without an engine, for `inspect-cache` (model config and tokenizer only).
-
-    `LLM.tokenize` and `LLM.apply_chat_template` run on this object, which carries the attributes they read
-    (`model_name`, `hf_config`, `tokenizer`), so a dry run tokenizes byte for byte like `run`.
-    """
-
-    def __init__(self, model_name: str, hf_config: object, tokenizer: object | None):
-        self.model_name = model_name
-        self.hf_config = hf_config
-        self.tokenizer = tokenizer
-
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
-        return LLM.tokenize(self, prompt)
-
-    def apply_chat_template(self, conversation: list[dict]) -> list[int]:
-        return LLM.apply_chat_template(self, conversation)
-
-
-def tokenize_row(request: RowRequest, tokenizer: LLM | DryTokenizer) -> RowRequest | RowError:
+def tokenize_row(request: RowRequest, tokenizer: PromptTokenizer) -> RowRequest | RowError:
     """Fill `request.token_ids`; a row the tokenizer or chat template rejects becomes a RowError."""
     try:
         if request.kind == "messages":
@@ -44,7 +25,7 @@ def tokenize_row(request: RowRequest, tokenizer: LLM | DryTokenizer) -> RowReque
 
 
 def tokenized_rows(path: Path, fmt: str, parser: RowParser,
-                   tokenizer: LLM | DryTokenizer) -> Iterator[RowRequest | RowError]:
+                   tokenizer: PromptTokenizer) -> Iterator[RowRequest | RowError]:
     """Every row of a `run` input file, parsed and tokenized as `run` does."""
     for number, raw in iter_rows(path, fmt):
         row = parser.parse(number, raw)

@@ -3,7 +3,6 @@ from __future__ import annotations
 import itertools
 import random
 import time
-from collections.abc import Sequence as SequenceLike
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -18,8 +17,7 @@ from nanovllm.engine.step_loop import StepLoop
 from nanovllm.engine.tp_workers import TPRunner, start_workers
 from nanovllm.loaders import resolve_model
 from nanovllm.sampling_params import SamplingParams
-
-Prompt = str | list[int]
+from nanovllm.tokenization import Prompt, PromptTokenizer
 
 
 @dataclass
@@ -46,11 +44,8 @@ class LLM:
         resolved = resolve_model(model, self.config.load_format)
         self.model_name = resolved.name
         self.hf_config = resolved.hf_config
-        self.tokenizer = None
-        if resolved.tokenizer_dir is not None:
-            from transformers import AutoTokenizer
-
-            self.tokenizer = AutoTokenizer.from_pretrained(str(resolved.tokenizer_dir))
+        self.prompts = PromptTokenizer.for_model(resolved)
+        self.tokenizer = self.prompts.tokenizer
         self.max_model_len = self._max_model_len()
         self.workers = start_workers(self.config, resolved, self.max_model_len)  # tensor-parallel ranks 1..N-1
         try:
@@ -88,27 +83,10 @@ class LLM:
     # ---- request-level API -------------------------------------------------------------------------------------
 
     def tokenize(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(f"model {self.model_name!r} has no tokenizer: pass token ids, not text")
-            return self.tokenizer(prompt).input_ids
-        if not isinstance(prompt, SequenceLike) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise ValueError("a prompt must be a string or a list of integer token ids")
-        bad = [t for t in prompt if not 0 <= t < self.hf_config.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.hf_config.vocab_size})")
-        return list(prompt)
+        return self.prompts.tokenize(prompt)
 
     def apply_chat_template(self, conversation: list[dict]) -> list[int]:
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError(f"model {self.model_name!r} has no chat template")
-        if not isinstance(conversation, list) or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in conversation) or not conversation:
-            raise ValueError("a conversation must be a non-empty list of {'role': str, 'content': str} messages")
-        text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
-        return self.tokenizer(text, add_special_tokens=False).input_ids
+        return self.prompts.apply_chat_template(conversation)
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
                     prompt_token_ids: list[int] | None = None) -> str:

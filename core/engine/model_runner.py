@@ -13,7 +13,7 @@ from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.step_buffers import Field, SequenceRows, StepBuffers
 from nanovllm.layers.sampler import SamplingTensors, sample
 from nanovllm.loaders import ResolvedModel, load_dummy_weights, load_safetensors_weights
-from nanovllm.models.llama import LlamaForCausalLM, head_dim_of, kv_heads_per_rank
+from nanovllm.models.llama import LlamaForCausalLM, head_dim_of, kv_block_bytes, kv_heads_per_rank
 
 
 @dataclass
@@ -98,9 +98,7 @@ class ModelRunner:
 
     @property
     def kv_block_bytes(self) -> int:
-        hf = self.hf_config
-        return (2 * hf.num_hidden_layers * self.block_size * kv_heads_per_rank(hf) * head_dim_of(hf)
-                * self.dtype.itemsize)
+        return kv_block_bytes(self.hf_config, self.block_size, self.dtype.itemsize, self.num_kv_heads)
 
     def _kv_budget_blocks(self) -> int:
         if self.device.type == "cpu":

@@ -133,3 +133,8 @@ class LlamaForCausalLM(nn.Module):
 
 def kv_heads_per_rank(config) -> int:
     return config.num_key_value_heads // tp_size()
+
+
+def kv_block_bytes(config, block_size: int, itemsize: int, num_kv_heads: int) -> int:
+    """Bytes of one KV-cache block over all layers (K and V) holding `num_kv_heads` heads."""
+    return 2 * config.num_hidden_layers * block_size * num_kv_heads * head_dim_of(config) * itemsize
