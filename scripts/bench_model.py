@@ -103,10 +103,10 @@ def main() -> None:
     buffers["positions"][:batch] = positions
     buffers["slot_mapping"][:batch] = meta.slot_mapping
     buffers["seq_lens"][:batch] = meta.seq_lens
-    runner.block_tables_batch[:batch, :meta.block_tables.shape[1]] = meta.block_tables
+    runner.graphs.block_tables[:batch, :meta.block_tables.shape[1]] = meta.block_tables
     size = runner.graphs.batch_size_for(batch)
     captured = dataclasses.replace(meta, slot_mapping=buffers["slot_mapping"][:size],
-                                   seq_lens=buffers["seq_lens"][:size], block_tables=runner.block_tables_batch[:size])
+                                   seq_lens=buffers["seq_lens"][:size], block_tables=runner.graphs.block_tables[:size])
 
     def decode():
         return runner.graphs.replay(size, buffers["input_ids"][:size], buffers["positions"][:size], captured)

@@ -164,6 +164,9 @@ def test_tp3_equals_tp1_smollm():
 class _GraphSizes:
     """Stands in for the CUDA decode graphs on the CPU: the runner pads a decode batch of 3 to graph size 4."""
 
+    def __init__(self, max_batch_size: int, max_blocks_per_seq: int):
+        self.block_tables = torch.zeros(max_batch_size, max_blocks_per_seq, dtype=torch.int32)
+
     @staticmethod
     def batch_size_for(num_seqs: int) -> int:
         return 4
@@ -175,7 +178,7 @@ def test_step_packing_round_trip():
     for prompt in ([1, 2, 3, 4, 5] * 5, [7, 8], [9] * 20):
         rank0.add_request(prompt, SamplingParams(temperature=0.7, top_k=5, max_tokens=4, seed=1))
     rank0.step()  # the prefills
-    rank0.runner.graphs = _GraphSizes()
+    rank0.runner.graphs = _GraphSizes(rank0.runner.max_batch_size, rank0.runner.max_blocks_per_seq)
     batch = rank0.scheduler.schedule()
     assert batch.is_pure_decode
     sent = rank0.runner.prepare(batch)

@@ -20,9 +20,13 @@ def batch_size_ladder(max_batch_size: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model, buffers: dict[str, torch.Tensor], block_tables: torch.Tensor, max_batch_size: int,
-                 max_seq_len: int, num_splits_for: Callable[[int], int]):
+    def __init__(self, model, buffers: dict[str, torch.Tensor], max_batch_size: int, max_seq_len: int,
+                 block_size: int, num_splits_for: Callable[[int], int]):
         self.sizes = batch_size_ladder(max_batch_size)
+        # The block tables a replay reads: full width, since a graph is captured once for every context length.
+        self.block_tables = torch.zeros(max_batch_size, -(-max_seq_len // block_size), dtype=torch.int32,
+                                        device=buffers["input_ids"].device)
+        block_tables = self.block_tables
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...], torch.Tensor]] = {}
         # Safe contents while capturing: one token per row, no KV written, the all-zero table row.
         buffers["input_ids"].zero_()
@@ -30,7 +34,6 @@ class DecodeGraphs:
         buffers["slot_mapping"].fill_(-1)
         buffers["seq_lens"].fill_(1)
         buffers["query_start_loc"].copy_(torch.arange(len(buffers["query_start_loc"]), dtype=torch.int32))
-        block_tables.zero_()
         pool = None
         with torch.inference_mode():
             for size in reversed(self.sizes):  # largest first: the smaller graphs reuse its memory pool

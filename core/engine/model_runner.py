@@ -86,12 +86,10 @@ class ModelRunner:
         self.buffers = StepBuffers(self._step_fields(), self.device)
         # Rows for twice the running sequences: finished ones are reclaimed in bulk, rarely.
         self.rows = SequenceRows(2 * self.max_batch_size, self.max_blocks_per_seq, self.vocab_size, self.device)
-        self.block_tables_batch = torch.zeros(self.max_batch_size, self.max_blocks_per_seq, dtype=torch.int32,
-                                              device=self.device)
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager and backend.supports_cuda_graphs:
-            self.graphs = DecodeGraphs(self.model, self.buffers.on_device, self.block_tables_batch,
-                                       self.max_batch_size, max_model_len,
+            self.graphs = DecodeGraphs(self.model, self.buffers.on_device, self.max_batch_size, max_model_len,
+                                       self.block_size,
                                        lambda size: backend.decode_num_splits(size, max_model_len, self.num_kv_heads))
 
     # ---- KV cache --------------------------------------------------------------------------------------------
@@ -241,14 +239,18 @@ class ModelRunner:
 
         device = self.buffers.on_device
         self.rows.apply(device["table_updates"], num_table_updates)
-        block_tables = self.block_tables_batch[:padded_seqs]
-        torch.index_select(self.rows.device_tables, 0, device["rows"][:padded_seqs], out=block_tables)
+        max_seq_len = int(ends.max())
+        rows_on_device = device["rows"][:padded_seqs]
+        if graph_size:
+            block_tables = self.graphs.block_tables[:padded_seqs]
+            torch.index_select(self.rows.device_tables, 0, rows_on_device, out=block_tables)
+        else:  # only the columns this step reads
+            block_tables = self.rows.device_tables[:, :-(-max_seq_len // block_size)].index_select(0, rows_on_device)
         num_rows = padded_seqs if graph_size else num_tokens
         ids = device["input_ids"][:num_rows]
         if num_placeholders:
             ids[device["placeholder_rows"][:num_placeholders]] = previous.sampled[
                 device["placeholder_sources"][:num_placeholders]]
-        max_seq_len = int(ends.max())
         meta = AttentionMetadata(
             slot_mapping=device["slot_mapping"][:num_rows],
             query_start_loc=device["query_start_loc"][:padded_seqs + 1],
