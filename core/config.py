@@ -29,6 +29,7 @@ class EngineConfig:
     load_format: str = "auto"
     async_scheduling: bool = False
     attention_backend: str | None = None
+    fused_ops: bool = True  # on CUDA: RMSNorm, q/k norm + rotary, SiLU-and-mul as Triton kernels
     device: str | None = None
     seed: int = 0
 
@@ -69,6 +70,7 @@ class EngineConfig:
               f"must be one of {sorted(b for b in _ATTENTION_BACKENDS if b)}")
         check(self.device in (None, "cpu", "cuda"), "device", "must be 'cpu' or 'cuda'")
         check(isinstance(self.seed, int), "seed", "must be an integer")
+        check(isinstance(self.fused_ops, bool), "fused_ops", "must be True or False")
 
     def resolve_device(self) -> torch.device:
         if self.device == "cuda" and not torch.cuda.is_available():

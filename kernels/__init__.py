@@ -1,1 +1,1 @@
-"""Triton kernels of nanovllm (paged attention, KV-cache store)."""
+"""Triton kernels of nanovllm (paged attention, KV-cache store, fused small ops)."""

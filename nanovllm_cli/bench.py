@@ -94,6 +94,7 @@ def bench(
     gpu_memory_utilization: o.GpuMemoryUtilization = None,
     tensor_parallel_size: o.TensorParallelSize = None,
     enforce_eager: o.EnforceEager = False,
+    no_fused_ops: o.NoFusedOps = False,
     load_format: o.LoadFormat = None,
     block_size: o.BlockSize = None,
     no_prefix_caching: o.NoPrefixCaching = False,
@@ -116,7 +117,8 @@ def bench(
     llm = o.load_llm(model, o.engine_args(
         dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, gpu_memory_utilization=gpu_memory_utilization,
-        tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager, load_format=load_format,
+        tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager, no_fused_ops=no_fused_ops,
+        load_format=load_format,
         block_size=block_size, no_prefix_caching=no_prefix_caching, async_scheduling=async_scheduling,
         num_kv_blocks=num_kv_blocks, kv_cache_gib=kv_cache_gib, device=device,
         attention_backend=attention_backend))

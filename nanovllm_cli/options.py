@@ -40,6 +40,9 @@ GpuMemoryUtilization = Annotated[float | None, typer.Option(
 TensorParallelSize = Annotated[int | None, typer.Option(
     "--tensor-parallel-size", "-tp", help="GPUs to shard the model over.", rich_help_panel=ENGINE)]
 EnforceEager = Annotated[bool, typer.Option("--enforce-eager", help="No CUDA graphs.", rich_help_panel=ENGINE)]
+NoFusedOps = Annotated[bool, typer.Option(
+    "--no-fused-ops", help="RMSNorm, rotary and SiLU as plain torch ops instead of fused Triton kernels (CUDA).",
+    rich_help_panel=ENGINE)]
 LoadFormat = Annotated[str | None, typer.Option(
     help="auto | dummy (random weights, for testing).", rich_help_panel=ENGINE)]
 BlockSize = Annotated[int | None, typer.Option(help="KV-cache block size in tokens (default 16).",
@@ -75,7 +78,7 @@ IgnoreEos = Annotated[bool, typer.Option("--ignore-eos", help="Keep generating p
 
 def engine_args(*, dtype: str | None = None, max_model_len: int | None = None, max_num_seqs: int | None = None,
                 max_num_batched_tokens: int | None = None, gpu_memory_utilization: float | None = None,
-                tensor_parallel_size: int | None = None, enforce_eager: bool = False,
+                tensor_parallel_size: int | None = None, enforce_eager: bool = False, no_fused_ops: bool = False,
                 load_format: str | None = None, block_size: int | None = None, no_prefix_caching: bool = False,
                 async_scheduling: bool = False, num_kv_blocks: int | None = None,
                 kv_cache_gib: float | None = None, device: str | None = None,
@@ -88,6 +91,7 @@ def engine_args(*, dtype: str | None = None, max_model_len: int | None = None, m
             "seed": seed,
             "cpu_kv_cache_bytes": None if kv_cache_gib is None else int(kv_cache_gib * (1 << 30)),
             "enforce_eager": enforce_eager or None,
+            "fused_ops": False if no_fused_ops else None,
             "enable_prefix_caching": False if no_prefix_caching else None,
             "async_scheduling": async_scheduling or None}
     return {k: v for k, v in args.items() if v is not None}

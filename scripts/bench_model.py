@@ -4,12 +4,14 @@
   causal-attention work, against the measured bf16 matmul rate;
 - decode: one graph-replayed step of 256 sequences at context 1024, in ms, and the KV + weight bytes it must read
   over the measured copy bandwidth;
-- `--profile`: the top CUDA kernels of each (torch.profiler), to say what dominates.
+- `--profile`: the top CUDA kernels of each (torch.profiler), to say what dominates;
+both with the fused small-op kernels (the default) and without them (`fused_ops=False`), in one run.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 
 import torch
@@ -67,21 +69,11 @@ def top_kernels(fn, count: int = 12) -> list[dict]:
 
 
 @torch.inference_mode()
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="qwen3-0.6b")
-    parser.add_argument("--block-size", type=int, default=None)
-    parser.add_argument("--profile", action="store_true")
-    args = parser.parse_args()
-    engine_args = dict(load_format="dummy", max_model_len=2048)
-    if args.block_size:
-        engine_args["block_size"] = args.block_size
-    llm = LLM(args.model, **engine_args)
+def measure(model_name: str, engine_args: dict, ceilings, profile: bool) -> dict:
+    llm = LLM(model_name, **engine_args)
     runner, model = llm.runner, llm.runner.model
-    ceilings = measure_ceilings(runner.device)
     costs = model_costs(llm.hf_config, model, runner.dtype)
-    report = {"device": ceilings.name, "block_size": runner.block_size, "copy_bytes_per_s": ceilings.copy_bytes_per_s,
-              "matmul_flops_per_s": ceilings.matmul_flops_per_s}
+    report = {"block_size": runner.block_size, "fused_ops": engine_args["fused_ops"]}
 
     num_seqs, length = 8, 1024
     prefill_ids, prefill_positions, prefill_meta = batch_meta(llm, num_seqs, length, length)
@@ -116,10 +108,34 @@ def main() -> None:
     report["decode"] = {"batch": batch, "context": context, "ms": decode_ms,
                         "bytes_read_per_s": bytes_read / decode_ms * 1e3,
                         "bandwidth_frac": bytes_read / decode_ms * 1e3 / ceilings.copy_bytes_per_s}
-    if args.profile:
+    if profile:
         report["prefill"]["top_kernels"] = top_kernels(prefill)
         report["decode"]["top_kernels"] = top_kernels(decode)
-    llm.reset_prefix_cache()
+    llm.exit()
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="qwen3-0.6b")
+    parser.add_argument("--block-size", type=int, default=None)
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args()
+    # Room for the decode batch (256 x 1024 tokens) without profiling memory, so both engines get the same cache.
+    engine_args = dict(load_format="dummy", max_model_len=2048, num_kv_blocks=(256 * 1024 + 8 * 1024) // 16 + 64)
+    if args.block_size:
+        engine_args["block_size"] = args.block_size
+        engine_args["num_kv_blocks"] = (256 * 1024 + 8 * 1024) // args.block_size + 64
+    ceilings = measure_ceilings(torch.device("cuda"))
+    report = {"device": ceilings.name, "copy_bytes_per_s": ceilings.copy_bytes_per_s,
+              "matmul_flops_per_s": ceilings.matmul_flops_per_s}
+    for fused in (True, False):  # the same shapes with the small ops fused (default) and as plain torch ops
+        report["fused" if fused else "unfused"] = measure(args.model, {**engine_args, "fused_ops": fused}, ceilings,
+                                                          args.profile)
+        gc.collect()
+        torch.cuda.empty_cache()
+    report["fused_speedup"] = {phase: report["unfused"][phase]["ms"] / report["fused"][phase]["ms"]
+                               for phase in ("prefill", "decode")}
     print(json.dumps(report))
 
 

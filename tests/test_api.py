@@ -10,6 +10,7 @@ from nanovllm import LLM, SamplingParams
     (dict(dtype="float8"), "dtype"),
     (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
     (dict(load_format="pt"), "load_format"),
+    (dict(fused_ops="yes"), "fused_ops"),
     (dict(tensor_parallel_size=3), "does not divide the model's num_attention_heads=4"),
 ])
 def test_invalid_engine_arguments_raise_value_error(kwargs, message):

@@ -331,3 +331,11 @@ def test_embedded_default_model_runs_the_sample_file(tmp_path):
     result = invoke("run", sample, "-o", out, "--max-tokens", 3, "--include-token-ids")
     assert result.exit_code == 0, result.stderr
     assert_matches(read_records(out), reference(None, rows, engine={}, max_tokens=3))
+
+
+def test_engine_flags_map_to_engine_arguments():
+    from nanovllm_cli.options import engine_args
+
+    assert engine_args() == {}
+    assert engine_args(no_fused_ops=True, enforce_eager=True, no_prefix_caching=True) == {
+        "fused_ops": False, "enforce_eager": True, "enable_prefix_caching": False}

@@ -53,7 +53,7 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                self.model = LlamaForCausalLM(self.hf_config)
+                self.model = LlamaForCausalLM(self.hf_config, fused_ops=config.fused_ops and self.device.type == "cuda")
         finally:
             torch.set_default_dtype(default_dtype)
         if resolved.weights_dir is None:

@@ -5,9 +5,16 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float):
+    """`fused`: one Triton kernel (residual add included) instead of the torch ops below; 2-D inputs on CUDA."""
+
+    def __init__(self, hidden_size: int, eps: float, fused: bool = False):
         super().__init__()
         self.eps = eps
+        self.kernel = None
+        if fused:  # imported only when used: the CPU path needs no Triton
+            from nanovllm.kernels.fused_ops import rms_norm
+
+            self.kernel = rms_norm
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
@@ -18,6 +25,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without `residual`: norm(x). With it: (norm(x + residual), x + residual), the pre-norm block's pair."""
+        if self.kernel is not None:
+            return self.kernel(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -1,0 +1,152 @@
+"""The fused small-op kernels against the torch layers they replace (the reference), on fresh random inputs.
+
+Without CUDA they run in Triton's interpreter on small shapes (fp32, fp16); `-m gpu` adds bf16 and real shapes."""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from nanovllm.kernels.fused_ops import qk_norm_rope, rms_norm, silu_and_mul
+from nanovllm.layers.activation import SiluAndMul
+from nanovllm.layers.norm import RMSNorm
+from nanovllm.layers.rotary import RotaryEmbedding
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# Relative L2 error: both paths round to the activation dtype at the same points, only float32 sums differ.
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
+
+
+def close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    assert out.isfinite().all()
+    error = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert error <= TOLERANCE[out.dtype], f"relative error {error:.2e}"
+
+
+def randn(*shape, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=gen).to(dtype=dtype, device=DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 96])  # 96: not a power of two, the tail is masked
+def test_rms_norm_with_and_without_residual(dtype, hidden):
+    norm = RMSNorm(hidden, 1e-6).to(DEVICE)
+    norm.weight.data = randn(hidden, dtype=torch.float32, seed=1).to(dtype) * 0.3 + 1
+    x, residual = randn(7, hidden, dtype=dtype, seed=2), randn(7, hidden, dtype=dtype, seed=3)
+    close(rms_norm(x, norm.weight, norm.eps), norm(x))
+    out, new_residual = rms_norm(x, norm.weight, norm.eps, residual)
+    ref_out, ref_residual = norm(x, residual)
+    close(out, ref_out)
+    assert torch.equal(new_residual, ref_residual)  # one rounding of one add: bit for bit
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "with_norm"), [(4, 2, True), (6, 2, False), (3, 3, True)])
+def test_qk_norm_rope_in_place_on_views_of_the_qkv_projection(dtype, num_heads, num_kv_heads, with_norm):
+    head_dim, tokens = 32, 5
+    rotary = RotaryEmbedding(head_dim, 64, {"rope_theta": 10000.0, "rope_type": "default"}).to(DEVICE)
+    q_norm, k_norm = RMSNorm(head_dim, 1e-6).to(DEVICE), RMSNorm(head_dim, 1e-6).to(DEVICE)
+    q_norm.weight.data = randn(head_dim, dtype=torch.float32, seed=4).to(dtype) * 0.3 + 1
+    k_norm.weight.data = randn(head_dim, dtype=torch.float32, seed=5).to(dtype) * 0.3 + 1
+    qkv = randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, seed=6)
+    positions = torch.tensor([0, 3, 17, 63, 5], device=DEVICE)
+
+    def split(t):
+        q, k, v = t.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+        return (q.view(tokens, num_heads, head_dim), k.view(tokens, num_kv_heads, head_dim),
+                v.view(tokens, num_kv_heads, head_dim))
+
+    q, k, _ = split(qkv.clone())
+    if with_norm:
+        q, k = q_norm(q), k_norm(k)
+    ref_q, ref_k = rotary(positions, q, k)
+
+    fused = qkv.clone()
+    q, k, v = split(fused)
+    qk_norm_rope(q, k, positions, rotary.cos_sin, q_norm.weight if with_norm else None,
+                 k_norm.weight if with_norm else None, 1e-6)
+    close(q, ref_q)
+    close(k, ref_k)
+    assert torch.equal(v, split(qkv)[2])  # v, in the same buffer, untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [48, 1500])  # 1500: two column blocks, the second one partial
+def test_silu_and_mul(dtype, width):
+    x = randn(3, 2 * width, dtype=dtype, seed=7)
+    close(silu_and_mul(x), SiluAndMul()(x))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_real_shapes_qwen3_0_6b(dtype):
+    """Qwen3-0.6B: hidden 1024, 16/8 heads of 128, intermediate 3072; a prefill-sized token count."""
+    tokens, hidden = 4096, 1024
+    norm = RMSNorm(hidden, 1e-6).to(DEVICE, dtype)
+    x, residual = randn(tokens, hidden, dtype=dtype, seed=8), randn(tokens, hidden, dtype=dtype, seed=9)
+    out, _ = rms_norm(x, norm.weight, norm.eps, residual)
+    close(out, norm(x, residual)[0])
+    gate_up = randn(tokens, 2 * 3072, dtype=dtype, seed=10)
+    close(silu_and_mul(gate_up), SiluAndMul()(gate_up))
+    rotary = RotaryEmbedding(128, 40960, {"rope_theta": 1000000.0, "rope_type": "default"}).to(DEVICE)
+    qkv = randn(tokens, 32 * 128, dtype=dtype, seed=11)
+    positions = torch.randint(0, 40960, (tokens,), device=DEVICE)
+    q, k = qkv[:, :2048].view(tokens, 16, 128), qkv[:, 2048:3072].view(tokens, 8, 128)
+    weight = torch.ones(128, dtype=dtype, device=DEVICE)
+    q_norm = RMSNorm(128, 1e-6).to(DEVICE, dtype)
+    ref_q, ref_k = rotary(positions, q_norm(q), q_norm(k))
+    qk_norm_rope(q, k, positions, rotary.cos_sin, weight, weight, 1e-6)
+    close(q, ref_q)
+    close(k, ref_k)
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-llama", "tiny-qwen2"])  # q/k norm or not, biases
+def test_whole_model_with_fused_ops_matches_the_torch_layers(preset):
+    """The wiring: every fused call site gets the right weights, eps and layout, for each model family."""
+    import json
+
+    from conftest import PRESETS
+    from transformers import AutoConfig
+
+    from nanovllm.attention.metadata import AttentionMetadata
+    from nanovllm.attention.torch_backend import TorchAttentionBackend
+    from nanovllm.loaders import load_dummy_weights
+    from nanovllm.models.llama import LlamaForCausalLM, head_dim_of
+
+    config = AutoConfig.for_model(**json.loads((PRESETS / f"{preset}.json").read_text()))
+    num_tokens, block_size = 40, 16
+    num_blocks = -(-num_tokens // block_size)
+    ids = torch.randint(0, config.vocab_size, (num_tokens,), generator=torch.Generator().manual_seed(0))
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(num_tokens, device=DEVICE),
+        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=DEVICE),
+        block_tables=torch.arange(num_blocks, dtype=torch.int32, device=DEVICE)[None], max_query_len=num_tokens,
+        max_seq_len=num_tokens)
+    logits, weights = [], None
+    for fused in (False, True):
+        with torch.device(DEVICE):
+            model = LlamaForCausalLM(config, fused_ops=fused)
+        if weights is None:
+            load_dummy_weights(model, seed=1)
+            gen = torch.Generator().manual_seed(2)
+            for name, param in model.named_parameters():  # dummy norms are all 1: make each one its own
+                if name.endswith("norm.weight"):
+                    param.data = (1 + 0.3 * torch.randn(param.shape, generator=gen)).to(param)
+            weights = model.state_dict()
+        model.load_state_dict(weights)
+        for layer in model.attention_layers():
+            layer.k_cache, layer.v_cache = torch.zeros(2, num_blocks, block_size, config.num_key_value_heads,
+                                                       head_dim_of(config), device=DEVICE).unbind(0)
+            layer.backend = TorchAttentionBackend()
+        with torch.inference_mode():
+            logits.append(model.compute_logits(model(ids.to(DEVICE), torch.arange(num_tokens, device=DEVICE),
+                                                     meta)))
+    close(logits[1], logits[0])
