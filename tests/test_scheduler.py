@@ -126,3 +126,20 @@ def test_waiting_request_without_room_waits_instead_of_failing():
     while b.status is not SequenceStatus.FINISHED:
         step(sched)
     assert b.num_output_tokens == 2
+
+
+def test_batch_carries_input_ids_and_the_sequences_whose_tables_changed():
+    sched = make_scheduler(budget=10)
+    a = make_seq([1, 3, 4], max_tokens=5)  # 3 tokens: one block of 4, the 4th token still fits
+    sched.add(a)
+    batch = sched.schedule()
+    assert batch.input_ids == [1, 3, 4] and batch.table_changed == [a]  # admitted: its whole table is new
+    sched.postprocess(batch, [9])
+    b = make_seq(list(range(10, 20)), max_tokens=5)
+    sched.add(b)
+    batch = sched.schedule()  # a decodes its 4th token in its first block; b's first chunk of 9 tokens
+    assert batch.input_ids == [9] + list(range(10, 19))
+    assert batch.table_changed == [b]
+    sched.postprocess(batch, [8, 0])
+    batch = sched.schedule()  # a's 5th token needs a second block; b's last prompt token fits its third
+    assert batch.input_ids == [8, 19] and batch.table_changed == [a]

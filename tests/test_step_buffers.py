@@ -12,12 +12,13 @@ VOCAB = 100
 
 
 def sync(rows: SequenceRows, seqs) -> tuple[list[int], list[tuple[int, int, int]]]:
-    """Rows of `seqs` after a sync applied to the device tables, and the (row, column, block) entries it sent."""
+    """Rows of `seqs` after a sync of all of them applied to the device tables, and the (row, column, block)
+    entries it sent."""
     staged = np.zeros(64, dtype=np.int32)
-    ids, count = rows.sync(seqs, staged)
+    count = rows.sync(seqs, staged)
     rows.apply(torch.from_numpy(staged), count)
     sent = [(int(i) // rows.width, int(i) % rows.width, int(b)) for i, b in zip(staged[:count], staged[count:2 * count])]
-    return ids, sent
+    return [seq.row for seq in seqs], sent
 
 
 def test_tables_send_only_new_entries_and_resync_after_preemption():

@@ -168,18 +168,14 @@ class ModelRunner:
         """Device inputs for `batch`. A position past a sequence's known tokens is the token that the previous
         (still running) step samples for it: its id is gathered on the device from that step's output.
 
-        Per sequence, only the input ids and the row lookup are Python work; everything else is vectorised over
-        the batch from the sequences' rows (block tables, sampling settings)."""
+        Per sequence, only the row lookup is Python work; everything else is vectorised over the batch from the
+        sequences' rows (block tables, sampling settings) and the batch's own lists."""
         seqs = batch.seqs
         num_seqs = len(seqs)
         host = self.buffers.begin()
-        rows, num_table_updates = self.rows.sync(seqs, host["table_updates"])
-        input_ids: list[int] = []
-        for seq, start, num_new, source in zip(seqs, batch.start_positions, batch.num_new_tokens,
-                                               batch.placeholder_sources):
-            input_ids += seq.token_ids[start:start + num_new]
-            if source >= 0:  # the last input is sampled by the step in flight: gathered on the device below
-                input_ids.append(0)
+        num_table_updates = self.rows.sync(batch.table_changed, host["table_updates"])
+        rows = [seq.row for seq in seqs]
+        input_ids = batch.input_ids
         num_tokens = len(input_ids)
         pure_decode = num_tokens == num_seqs
         graph_size = self.graphs.batch_size_for(num_seqs) if self.graphs and pure_decode else None

@@ -9,13 +9,15 @@ from nanovllm.engine.sequence import Sequence, SequenceStatus
 
 @dataclass
 class ScheduledBatch:
-    """What one step computes: for each sequence, `num_new_tokens` tokens from `start_positions`.
+    """What one step computes: for each sequence, `num_new_tokens` tokens from `start_positions`, whose ids are
+    `input_ids` (all sequences' chunks, concatenated).
 
     `samples[i]` says whether the chunk reaches the end of the sequence, so that its sampled token is an output
     token (a prefill chunk short of the end samples nothing useful). `placeholder_sources[i]` is the row, in the
     step still in flight, whose sample is this chunk's last input token (-1 when all its inputs are known).
     `epochs` identify the sequences' state at scheduling time: a sequence preempted since then has another epoch
-    and this step's results for it are void."""
+    and this step's results for it are void. `table_changed`: the sequences whose block table is new or grew for
+    this step (the runner sends only their tables to the device)."""
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
@@ -24,12 +26,17 @@ class ScheduledBatch:
     epochs: list[int] = field(default_factory=list)
     placeholder_sources: list[int] = field(default_factory=list)
     num_placeholders: int = 0
+    input_ids: list[int] = field(default_factory=list)
+    table_changed: list[Sequence] = field(default_factory=list)
 
     def add(self, seq: Sequence, num_new_tokens: int, start: int, num_effective_tokens: int) -> None:
         """Compute `num_new_tokens` of `seq` from position `start` (its scheduled = committed + in-flight count)."""
         end = start + num_new_tokens
         samples = end == num_effective_tokens
-        if end > len(seq.token_ids):
+        token_ids = seq.token_ids
+        self.input_ids += token_ids[start:end]
+        if end > len(token_ids):  # the last input is sampled by the step in flight (read on the device)
+            self.input_ids.append(0)
             self.placeholder_sources.append(seq.last_sample_index)
             self.num_placeholders += 1
         else:
@@ -49,7 +56,7 @@ class ScheduledBatch:
 
     @property
     def num_tokens(self) -> int:
-        return sum(self.num_new_tokens)
+        return len(self.input_ids)
 
     @property
     def is_pure_decode(self) -> bool:
@@ -117,6 +124,7 @@ class Scheduler:
                 if not self._make_room(seq, start + num_new):
                     break
                 self.block_manager.grow(seq, start + num_new)
+                batch.table_changed.append(seq)
             add(seq, num_new, start, effective)
             budget -= num_new
         preempted = self.num_preemptions != preemptions_before
@@ -131,6 +139,7 @@ class Scheduler:
             self.waiting.popleft()
             self.block_manager.admit(seq, hits)
             self.block_manager.grow(seq, seq.num_cached_tokens + num_new)
+            batch.table_changed.append(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.add(seq, num_new, seq.num_cached_tokens, seq.num_tokens)

@@ -43,6 +43,7 @@ class Sequence:
         self.num_pending_tokens = 0
         self.epoch = 0
         self.last_sample_index = -1  # row of this sequence in the newest step that samples for it
+        self.row = -1  # the runner's row of per-sequence step state (SequenceRows), from its first step on
         self.num_prefix_hit_tokens: int | None = None  # prompt tokens served by the prefix cache, first admission
         self.num_preemptions = 0
         self.finish_reason: str | None = None

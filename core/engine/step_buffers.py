@@ -88,11 +88,12 @@ class _Row:
 
 class SequenceRows:
     """Per-sequence step state of running sequences, one row each (the last row is never assigned: graph padding
-    entries use it; its table is all zeros).
+    entries use it; its table is all zeros). A sequence's row is `seq.row` while it runs.
 
-    A row is (re)filled when its sequence first runs and whenever its epoch changes (preempted and readmitted:
-    new table, new prefix hits); a row whose sequence stopped running is reclaimed when rows run out. Between
-    those, a sequence's table only grows, so `sync` sends only the appended entries."""
+    A row is (re)filled when its sequence is admitted (first time, or after a preemption: new epoch, new table,
+    new prefix hits); a row whose sequence stopped running is reclaimed when rows run out. Between those, a
+    sequence's table only grows, and only the sequences whose table changed for a step are looked at, to send
+    their appended entries."""
 
     def __init__(self, max_rows: int, max_blocks_per_seq: int, vocab_size: int, device: torch.device):
         rows = max_rows + 1
@@ -111,12 +112,12 @@ class SequenceRows:
         self._rows: dict[int, _Row] = {}  # seq_id -> row
         self._free = list(range(max_rows - 1, -1, -1))
 
-    def sync(self, seqs: list[Sequence], table_updates: np.ndarray) -> tuple[list[int], int]:
-        """Rows of `seqs`, with the host tables made current; the device's pending entries are written to
-        `table_updates` (flat table indices, then the block ids, n each) and n is returned with the rows."""
-        rows, flat_indices, blocks = [], [], []
+    def sync(self, changed: list[Sequence], table_updates: np.ndarray) -> int:
+        """Bring the rows of `changed` (admitted, or whose table grew) up to date on the host; the device's
+        pending entries are written to `table_updates` (flat table indices, then the block ids, n each): n."""
+        flat_indices, blocks = [], []
         width = self.width
-        for seq in seqs:
+        for seq in changed:
             entry = self._rows.get(seq.seq_id)
             if entry is None or entry.epoch != seq.epoch:
                 entry = self._refill(seq, entry)
@@ -127,7 +128,6 @@ class SequenceRows:
                 flat_indices += range(base + synced, base + len(table))
                 blocks += table[synced:]
                 entry.num_synced = len(table)
-            rows.append(entry.row)
         count = len(blocks)
         if count:
             if 2 * count > len(table_updates):
@@ -135,7 +135,7 @@ class SequenceRows:
             table_updates[:count] = flat_indices
             table_updates[count:2 * count] = blocks
             self.host_tables.reshape(-1)[table_updates[:count]] = table_updates[count:2 * count]
-        return rows, count
+        return count
 
     def apply(self, table_updates: torch.Tensor, count: int) -> None:
         """Write the entries that `sync` staged (now on the device) into the device tables."""
@@ -148,6 +148,7 @@ class SequenceRows:
                 self._reclaim()
             entry = _Row(seq, self._free.pop(), seq.epoch, 0)
             self._rows[seq.seq_id] = entry
+            seq.row = entry.row
         entry.epoch, entry.num_synced = seq.epoch, 0
         row, params = entry.row, seq.params
         self.temperature[row] = params.temperature
