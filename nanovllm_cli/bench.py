@@ -190,7 +190,8 @@ def print_report(report: dict, console) -> None:
         table.add_column(name, justify="right")
     rows = ["requests", "prompt_tokens", "output_tokens", "steps", "preemptions", "wall_s", "output_tok_s",
             "total_tok_s", "prefill_tok_s", "gpu_busy_frac", "gpu_idle_frac", "cpu_schedule_s", "cpu_prepare_s",
-            "cpu_execute_s", "cpu_wait_s", "cpu_postprocess_s", "host_ms_per_decode_step", "ttft_p50_s",
+            "cpu_execute_s", "cpu_wait_s", "cpu_postprocess_s", "host_ms_per_decode_step",
+            "largest_decode_batch", "host_ms_per_largest_decode_step", "ttft_p50_s",
             "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "roofline_s", "roofline_frac"]
     for row in rows:
         table.add_row(row, *(_fmt(stats.get(row)) for stats in modes.values()))

@@ -2,7 +2,11 @@
 
 Fills the engine with N sequences, runs until every one is decoding, then times `--steps` pure-decode steps of
 the real step loop's phases (schedule, prepare, execute launch, wait, postprocess). `--profile` prints a cProfile
-of schedule + prepare. Runs on the CPU (tiny model) or on a GPU (e.g. --model qwen3-0.6b)."""
+of schedule + prepare. Runs on the CPU (tiny model) or on a GPU (e.g. --model qwen3-0.6b).
+
+`--skip-forward` (CPU): postprocess gets token 0 for every sequence instead of running the model, so the host
+phases run back to back as on a GPU host, whose forward runs asynchronously; on the CPU a real forward between
+them evicts the host's caches and inflates every phase."""
 from __future__ import annotations
 
 import argparse
@@ -24,6 +28,7 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--skip-forward", action="store_true")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
@@ -50,10 +55,14 @@ def main() -> None:
         if profiler:
             profiler.disable()
         assert batch.is_pure_decode and len(batch) == args.num_seqs
-        handle = runner.execute(inputs)
-        t3 = time.perf_counter()
-        tokens, _ = runner.wait(handle)
-        t4 = time.perf_counter()
+        if args.skip_forward:
+            t3 = t4 = time.perf_counter()
+            tokens = [0] * len(batch)
+        else:
+            handle = runner.execute(inputs)
+            t3 = time.perf_counter()
+            tokens, _ = runner.wait(handle)
+            t4 = time.perf_counter()
         scheduler.postprocess(batch, tokens)
         t5 = time.perf_counter()
         for name, seconds in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
@@ -64,6 +73,7 @@ def main() -> None:
     host = [s + p for s, p in zip(phases["schedule"], phases["prepare"])]
     summary["schedule+prepare"] = {"median_ms": statistics.median(host), "mean_ms": statistics.fmean(host)}
     result = {"model": args.model, "device": str(runner.device), "num_seqs": args.num_seqs,
+              "skip_forward": args.skip_forward,
               "graphs": runner.graphs is not None, "temperature": args.temperature, "steps": args.steps,
               "phases": summary}
     if args.json:

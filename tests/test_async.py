@@ -87,6 +87,9 @@ def test_stats_invariants(smollm_pair):
         assert stats["output_tok_s"] == pytest.approx(stats["output_tokens"] / stats["wall_s"])
         assert 0 <= stats["ttft_p50_s"] <= stats["ttft_p99_s"] <= stats["wall_s"]
         assert stats["tpot_p50_s"] > 0
+        # every chat decodes together after its prefill: the largest decode batch holds all of them
+        assert stats["largest_decode_batch"] == len(CHATS)
+        assert 0 < stats["host_ms_per_largest_decode_step"] <= 1000 * (stats["cpu_schedule_s"] + stats["cpu_prepare_s"])
 
 
 # ---- unit tests of the in-flight state -------------------------------------------------------------------------

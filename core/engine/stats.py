@@ -69,6 +69,7 @@ class EngineStats:
 
         on_gpu = self.device == "cuda"
         host_per_decode = [t for _, t in self.decode_host_s]
+        largest_batch = max((b for b, _ in self.decode_host_s), default=None)
         return {
             "device": self.device,
             "loop": "async" if self.overlap else "sync",
@@ -95,6 +96,10 @@ class EngineStats:
             "gpu_busy_frac": share(self.device_s) if on_gpu and self.device_s is not None else None,
             "gpu_idle_frac": 1 - share(self.device_s) if on_gpu and self.device_s is not None and wall else None,
             "host_ms_per_decode_step": 1000 * float(np.mean(host_per_decode)) if host_per_decode else None,
+            # schedule + prepare of the decode steps at the largest batch (the full one, where it is costliest)
+            "largest_decode_batch": largest_batch,
+            "host_ms_per_largest_decode_step": 1000 * float(np.median(
+                [t for b, t in self.decode_host_s if b == largest_batch])) if host_per_decode else None,
             "ttft_p50_s": pct(self.ttft_s, 50),
             "ttft_p99_s": pct(self.ttft_s, 99),
             "tpot_p50_s": pct(self.tpot_s, 50),
