@@ -109,3 +109,16 @@ def test_unseeded_requests_follow_the_engine_seed(tiny_model_dirs):
         runs.append([o.token_ids for o in llm.generate([[5, 6, 7], [8, 9]], params)])
     assert runs[0] == runs[1]
     assert runs[0][0] != runs[0][1]
+
+
+@pytest.mark.parametrize("all_greedy", [True, False])
+def test_bf16_logits_sample_as_their_float32_widening(all_greedy):
+    """The runner hands the sampler the model's bf16 logits: the outcome must be that of the exact fp32 copy."""
+    n, vocab = 16, 300
+    logits = (torch.randn(n, vocab, generator=torch.Generator().manual_seed(5)) * 3).to(torch.bfloat16)
+    temperatures = torch.zeros(n) if all_greedy else torch.linspace(0, 1.5, n)  # row 0 greedy either way
+    t = SamplingTensors(temperatures=temperatures, top_k=torch.full((n,), 50), top_p=torch.full((n,), 0.9),
+                        min_p=torch.full((n,), 0.01), seeds=torch.arange(n), positions=torch.arange(n),
+                        all_greedy=all_greedy, any_filter=not all_greedy)
+    assert torch.equal(sample(logits, t), sample(logits.float(), t))
+    assert torch.equal(sample(logits, t)[0], logits[0].float().argmax())

@@ -143,3 +143,15 @@ def test_batch_carries_input_ids_and_the_sequences_whose_tables_changed():
     sched.postprocess(batch, [8, 0])
     batch = sched.schedule()  # a's 5th token needs a second block; b's last prompt token fits its third
     assert batch.input_ids == [8, 19] and batch.table_changed == [a]
+
+
+def test_batch_counts_prompt_tokens_as_prefill():
+    sched = make_scheduler(budget=10)
+    a = make_seq([1, 3, 4], max_tokens=5)
+    sched.add(a)
+    first = sched.schedule()
+    assert first.num_prefill_tokens == 3
+    sched.postprocess(first, [9])
+    sched.add(make_seq(list(range(10, 20)), max_tokens=5))
+    second = sched.schedule()  # a's decode token + a 9-token prompt chunk
+    assert (second.num_tokens, second.num_prefill_tokens) == (10, 9)

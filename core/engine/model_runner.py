@@ -27,6 +27,15 @@ class StepInputs:
 
 
 @dataclass
+class _OutputSlot:
+    """Pinned host memory for one step's sampled ids, and that step's events; reused every other step."""
+
+    host: torch.Tensor
+    timing: tuple[torch.cuda.Event, torch.cuda.Event]
+    ready: torch.cuda.Event
+
+
+@dataclass
 class StepHandle:
     """A launched step: sampled ids on the device, their pinned host copy, timing events, the copy's event."""
 
@@ -86,6 +95,13 @@ class ModelRunner:
         self.buffers = StepBuffers(self._step_fields(), self.device)
         # Rows for twice the running sequences: finished ones are reclaimed in bulk, rarely.
         self.rows = SequenceRows(2 * self.max_batch_size, self.max_blocks_per_seq, self.vocab_size, self.device)
+        if self.device.type == "cuda":
+            self._output_slots = [
+                _OutputSlot(torch.empty(self.max_batch_size, dtype=torch.int64, pin_memory=True),
+                            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)),
+                            torch.cuda.Event())
+                for _ in range(2)]
+            self._next_slot = 0
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager and backend.supports_cuda_graphs:
             self.graphs = DecodeGraphs(self.model, self.buffers.on_device, self.max_batch_size, max_model_len,
@@ -270,15 +286,17 @@ class ModelRunner:
         The sampled ids are copied to pinned host memory behind an event; `wait` blocks on that event only."""
         if self.device.type == "cpu":
             return StepHandle(self._forward_and_sample(inputs), None, None, None)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        # The step loop waits for step N before it launches step N+2: two output slots are never both in use.
+        slot = self._output_slots[self._next_slot]
+        self._next_slot ^= 1
+        start, end = slot.timing
         start.record()
         sampled = self._forward_and_sample(inputs)
         end.record()
-        host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
+        host = slot.host[:len(sampled)]
         host.copy_(sampled, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-        return StepHandle(sampled, host, (start, end), ready)
+        slot.ready.record()
+        return StepHandle(sampled, host, slot.timing, slot.ready)
 
     def _forward_and_sample(self, inputs: StepInputs) -> torch.Tensor:
         if inputs.graph_size is not None:
@@ -288,7 +306,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
         if logits is None:  # a tensor-parallel worker: the logits were gathered to rank 0, which samples
             return inputs.logits_indices[:0]
-        return sample(logits[:len(inputs.logits_indices)].float(), inputs.sampling)
+        return sample(logits[:len(inputs.logits_indices)], inputs.sampling)
 
     @staticmethod
     def wait(handle: StepHandle) -> tuple[list[int], float | None]:

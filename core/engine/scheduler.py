@@ -26,6 +26,7 @@ class ScheduledBatch:
     epochs: list[int] = field(default_factory=list)
     placeholder_sources: list[int] = field(default_factory=list)
     num_placeholders: int = 0
+    num_prefill_tokens: int = 0  # tokens of prompt chunks (the rest are decode tokens)
     input_ids: list[int] = field(default_factory=list)
     table_changed: list[Sequence] = field(default_factory=list)
 
@@ -41,6 +42,8 @@ class ScheduledBatch:
             self.num_placeholders += 1
         else:
             self.placeholder_sources.append(-1)
+        if num_new_tokens > 1 or start < seq.num_prompt_tokens:
+            self.num_prefill_tokens += num_new_tokens
         self.seqs.append(seq)
         self.num_new_tokens.append(num_new_tokens)
         self.start_positions.append(start)

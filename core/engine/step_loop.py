@@ -77,10 +77,8 @@ class StepLoop:
         finished = self.scheduler.take_finished()
         t2 = time.perf_counter()
         batch = step.batch
-        prefill = sum(n for seq, n, start in zip(batch.seqs, batch.num_new_tokens, batch.start_positions)
-                      if n > 1 or start < seq.num_prompt_tokens)
         self.stats.record_step(
             schedule_s=step.schedule_s, prepare_s=step.prepare_s, execute_s=step.execute_s,
-            wait_s=t1 - t0, postprocess_s=t2 - t1, device_s=device_s, prefill_tokens=prefill,
-            decode_tokens=batch.num_tokens - prefill, batch_size=len(batch))
+            wait_s=t1 - t0, postprocess_s=t2 - t1, device_s=device_s, prefill_tokens=batch.num_prefill_tokens,
+            decode_tokens=batch.num_tokens - batch.num_prefill_tokens, batch_size=len(batch))
         return finished

@@ -75,10 +75,12 @@ def filtered_probs(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-    """logits: float32 [batch, vocab] -> token ids int64 [batch]."""
+    """logits: [batch, vocab], any float dtype -> token ids int64 [batch]. Greedy rows take the argmax of the
+    logits as they are (widening is exact, so it picks the same token); the rest is computed in float32."""
     greedy = logits.argmax(dim=-1)
     if t.all_greedy:
         return greedy
+    logits = logits.float()
     probs = filtered_probs(logits, t)
     raced = (probs / exponential_noise(t.seeds, t.positions, logits.shape[1])).argmax(dim=-1)
     return torch.where(t.temperatures == 0, greedy, raced)
