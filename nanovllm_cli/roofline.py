@@ -40,7 +40,8 @@ class DeviceCeilings:
     matmul_flops_per_s: float  # bf16
 
 
-def _median_ms(fn, repeats: int = 7) -> float:
+def median_cuda_ms(fn, repeats: int = 7) -> float:
+    """Median device time of `fn` in ms between CUDA events on the current stream, after one warm-up call."""
     fn()
     times = []
     for _ in range(repeats):
@@ -56,13 +57,13 @@ def _median_ms(fn, repeats: int = 7) -> float:
 def _copy_ms() -> float:
     src = torch.randn(1 << 28, device="cuda")  # 1 GiB
     dst = torch.empty_like(src)
-    return _median_ms(lambda: dst.copy_(src))
+    return median_cuda_ms(lambda: dst.copy_(src))
 
 
 def _matmul_ms(n: int) -> float:
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    return _median_ms(lambda: a @ b)
+    return median_cuda_ms(lambda: a @ b)
 
 
 def measure_ceilings(device: torch.device) -> DeviceCeilings:

@@ -18,21 +18,7 @@ import torch
 
 from nanovllm import LLM
 from nanovllm.attention import AttentionMetadata
-from nanovllm_cli.roofline import measure_ceilings, model_costs
-
-
-def timed_ms(fn, repeats: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+from nanovllm_cli.roofline import measure_ceilings, median_cuda_ms, model_costs
 
 
 def batch_meta(llm: LLM, num_seqs: int, context: int, new_tokens: int) -> tuple[torch.Tensor, torch.Tensor,
@@ -82,7 +68,7 @@ def measure(model_name: str, engine_args: dict, ceilings, profile: bool) -> dict
     def prefill():
         return model.compute_logits(model(prefill_ids, prefill_positions, prefill_meta)[last])
 
-    prefill_ms = timed_ms(prefill)
+    prefill_ms = median_cuda_ms(prefill, repeats=20)
     tokens = num_seqs * length
     flops = tokens * costs.flops_per_token + num_seqs * length * (length + 1) // 2 * costs.attention_flops_per_pair
     report["prefill"] = {"tokens": tokens, "ms": prefill_ms, "tflop_s": flops / prefill_ms / 1e9,
@@ -103,7 +89,7 @@ def measure(model_name: str, engine_args: dict, ceilings, profile: bool) -> dict
     def decode():
         return runner.graphs.replay(size, buffers["input_ids"][:size], buffers["positions"][:size], captured)
 
-    decode_ms = timed_ms(decode)
+    decode_ms = median_cuda_ms(decode, repeats=20)
     bytes_read = batch * context * costs.kv_bytes_per_token + costs.weight_bytes_per_step
     report["decode"] = {"batch": batch, "context": context, "ms": decode_ms,
                         "bytes_read_per_s": bytes_read / decode_ms * 1e3,
