@@ -26,7 +26,6 @@ class DecodeGraphs:
         # The block tables a replay reads: full width, since a graph is captured once for every context length.
         self.block_tables = torch.zeros(max_batch_size, -(-max_seq_len // block_size), dtype=torch.int32,
                                         device=buffers["input_ids"].device)
-        block_tables = self.block_tables
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...], torch.Tensor]] = {}
         # Safe contents while capturing: one token per row, no KV written, the all-zero table row.
         buffers["input_ids"].zero_()
@@ -41,7 +40,7 @@ class DecodeGraphs:
                     slot_mapping=buffers["slot_mapping"][:size],
                     query_start_loc=buffers["query_start_loc"][:size + 1],
                     seq_lens=buffers["seq_lens"][:size],
-                    block_tables=block_tables[:size],
+                    block_tables=self.block_tables[:size],
                     max_query_len=1,
                     max_seq_len=max_seq_len,
                     decode_num_splits=num_splits_for(size),

@@ -38,7 +38,6 @@ class StepBuffers:
             size += -(-f.length * f.dtype.itemsize // _ALIGN) * _ALIGN
         self.fields = {f.name: f for f in fields}
         self.size = size
-        self.device = device
         self.on_cpu = device.type == "cpu"
         # On the CPU the host buffer is the device buffer: a step runs to its end before the next is prepared.
         self._host_bytes = [torch.zeros(size, dtype=torch.uint8, pin_memory=not self.on_cpu)
@@ -80,8 +79,7 @@ class StepBuffers:
 
 @dataclass
 class _Row:
-    seq: Sequence
-    row: int
+    seq: Sequence  # its row is `seq.row`
     epoch: int
     num_synced: int  # leading block-table entries already in the row
 
@@ -124,7 +122,7 @@ class SequenceRows:
             table = seq.block_table
             synced = entry.num_synced
             if len(table) > synced:
-                base = entry.row * width
+                base = seq.row * width
                 flat_indices += range(base + synced, base + len(table))
                 blocks += table[synced:]
                 entry.num_synced = len(table)
@@ -146,11 +144,11 @@ class SequenceRows:
         if entry is None:
             if not self._free:
                 self._reclaim()
-            entry = _Row(seq, self._free.pop(), seq.epoch, 0)
+            seq.row = self._free.pop()
+            entry = _Row(seq, seq.epoch, 0)
             self._rows[seq.seq_id] = entry
-            seq.row = entry.row
         entry.epoch, entry.num_synced = seq.epoch, 0
-        row, params = entry.row, seq.params
+        row, params = seq.row, seq.params
         self.temperature[row] = params.temperature
         self.top_k[row] = params.top_k if params.top_k > 0 else self._vocab_size
         self.top_p[row] = params.top_p
@@ -164,6 +162,6 @@ class SequenceRows:
         for seq_id, entry in list(self._rows.items()):
             if entry.seq.status is not SequenceStatus.RUNNING:
                 del self._rows[seq_id]
-                self._free.append(entry.row)
+                self._free.append(entry.seq.row)
         if not self._free:
             raise RuntimeError("more running sequences than rows")
