@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from nanovllm.models.llama import head_dim_of, kv_block_bytes
+
 
 @dataclass
 class ModelCosts:
@@ -20,9 +22,9 @@ class ModelCosts:
 
 
 def model_costs(hf_config, model: torch.nn.Module, dtype: torch.dtype) -> ModelCosts:
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    head_dim = head_dim_of(hf_config)
     layers = hf_config.num_hidden_layers
-    kv = 2 * layers * hf_config.num_key_value_heads * head_dim * dtype.itemsize
+    kv = kv_block_bytes(hf_config, 1, dtype.itemsize, hf_config.num_key_value_heads)  # a block of one token
     unique = {p.data_ptr(): p for p in model.parameters()}.values()
     embedding = model.model.embed_tokens.weight
     tied = model.lm_head.weight.data_ptr() == embedding.data_ptr()
