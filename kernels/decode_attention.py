@@ -90,8 +90,8 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: 
 
     For CUDA graphs pass the largest context the graph may see (max_model_len): a split past a shorter
     sequence's end exits at once, so over-splitting costs little, under-splitting a long context costs a lot."""
-    wanted = triton.cdiv(2 * num_sms, max(batch * num_kv_heads, 1))
-    useful = triton.cdiv(max_seq_len, MIN_TOKENS_PER_SPLIT)
+    wanted = -(-2 * num_sms // max(batch * num_kv_heads, 1))  # host code: triton.cdiv is a slow jit call here
+    useful = -(-max_seq_len // MIN_TOKENS_PER_SPLIT)
     return max(1, min(wanted, useful, MAX_SPLITS))
 
 

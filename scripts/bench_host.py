@@ -82,7 +82,8 @@ def main() -> None:
         for name, v in summary.items():
             print(f"{name:>18}: median {v['median_ms']:.3f} ms, mean {v['mean_ms']:.3f} ms")
     if profiler:
-        pstats.Stats(profiler).sort_stats("cumulative").print_stats(30)
+        for order in ("cumulative", "tottime"):
+            pstats.Stats(profiler).sort_stats(order).print_stats(25)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,9 @@ def sync(rows: SequenceRows, seqs) -> tuple[list[int], list[tuple[int, int, int]
 
 
 def test_tables_send_only_new_entries_and_resync_after_preemption():
-    rows = SequenceRows(max_rows=4, max_blocks_per_seq=6, vocab_size=VOCAB, device=torch.device("cpu"))
+    """With tables of their own on the device side (as on a GPU), so that `apply` does the writing."""
+    rows = SequenceRows(max_rows=4, max_blocks_per_seq=6, vocab_size=VOCAB, device=torch.device("cpu"),
+                        share_host_tables=False)
     a, b = make_seq([1] * 40), make_seq([2] * 10)
     for seq in (a, b):
         seq.status = SequenceStatus.RUNNING
@@ -72,7 +74,7 @@ def test_step_buffers_round_trip_typed_fields():
     host["ids"][:] = [1, 2, 3, 4, 5]
     host["lens"][:] = [7, 8, 9]
     host["temps"][:] = [0.5, 1.0, 0.0]
-    buffers.upload()
+    buffers.upload(3)
     device = buffers.on_device
     assert device["ids"].tolist() == [1, 2, 3, 4, 5] and device["lens"].dtype == torch.int32
     assert device["lens"].tolist() == [7, 8, 9]

@@ -66,9 +66,9 @@ class DecodeGraphs:
         """Run the graph of `size` on these inputs. The runner prepares them in the captured buffers already; a
         tensor-parallel worker receives them elsewhere and they are copied in."""
         graph, captured, logits = self.graphs[size]
-        for source, target in zip((input_ids, positions, meta.slot_mapping, meta.seq_lens, meta.block_tables),
-                                  captured):
-            if source.data_ptr() != target.data_ptr():
+        if input_ids.data_ptr() != captured[0].data_ptr():  # all inputs are in place, or none (a worker's)
+            for source, target in zip((input_ids, positions, meta.slot_mapping, meta.seq_lens, meta.block_tables),
+                                      captured):
                 target.copy_(source)
         graph.replay()
         return logits

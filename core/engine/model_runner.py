@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +25,26 @@ class StepInputs:
     logits_indices: torch.Tensor  # the last new token of each sequence
     sampling: SamplingTensors
     graph_size: int | None  # replay the decode graph of this batch size instead of running eagerly
+
+
+@dataclass(frozen=True)
+class _DeviceViews:
+    """Slices of the step buffers' device views for one step size (see ModelRunner._slice_device_views)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    rows: torch.Tensor
+    logits_indices: torch.Tensor
+    temperatures: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    seeds: torch.Tensor
+    sample_positions: torch.Tensor
+    graph_block_tables: torch.Tensor | None
 
 
 @dataclass
@@ -95,6 +116,8 @@ class ModelRunner:
         self.buffers = StepBuffers(self._step_fields(), self.device)
         # Rows for twice the running sequences: finished ones are reclaimed in bulk, rarely.
         self.rows = SequenceRows(2 * self.max_batch_size, self.max_blocks_per_seq, self.vocab_size, self.device)
+        self._device_views = functools.lru_cache(maxsize=4096)(self._slice_device_views)
+        self._placeholder_views = functools.lru_cache(maxsize=1024)(self._slice_placeholder_views)
         if self.device.type == "cuda":
             self._output_slots = [
                 _OutputSlot(torch.empty(self.max_batch_size, dtype=torch.int64, pin_memory=True),
@@ -249,35 +272,43 @@ class ModelRunner:
             np.subtract(ends, self.rows.num_prompt_tokens[rows], out=host["sample_positions"][:num_seqs])
         self.buffers.upload(2 * num_table_updates)
 
-        device = self.buffers.on_device
-        self.rows.apply(device["table_updates"], num_table_updates)
+        self.rows.apply(self.buffers.on_device["table_updates"], num_table_updates)
         max_seq_len = int(ends.max())
-        rows_on_device = device["rows"][:padded_seqs]
-        if graph_size:
-            block_tables = self.graphs.block_tables[:padded_seqs]
-            torch.index_select(self.rows.device_tables, 0, rows_on_device, out=block_tables)
-        else:  # only the columns this step reads
-            block_tables = self.rows.device_tables[:, :-(-max_seq_len // block_size)].index_select(0, rows_on_device)
         num_rows = padded_seqs if graph_size else num_tokens
-        ids = device["input_ids"][:num_rows]
+        views = self._device_views(num_rows, padded_seqs, num_seqs)
+        if graph_size:
+            block_tables = views.graph_block_tables
+            torch.index_select(self.rows.device_tables, 0, views.rows, out=block_tables)
+        else:  # only the columns this step reads
+            block_tables = self.rows.device_tables[:, :-(-max_seq_len // block_size)].index_select(0, views.rows)
         if num_placeholders:
-            ids[device["placeholder_rows"][:num_placeholders]] = previous.sampled[
-                device["placeholder_sources"][:num_placeholders]]
+            placeholder_rows, placeholder_sources = self._placeholder_views(num_placeholders)
+            views.input_ids.index_put_((placeholder_rows,), previous.sampled.index_select(0, placeholder_sources))
         meta = AttentionMetadata(
-            slot_mapping=device["slot_mapping"][:num_rows],
-            query_start_loc=device["query_start_loc"][:padded_seqs + 1],
-            seq_lens=device["seq_lens"][:padded_seqs],
-            block_tables=block_tables,
-            max_query_len=1 if pure_decode else max(batch.num_new_tokens),
+            slot_mapping=views.slot_mapping, query_start_loc=views.query_start_loc, seq_lens=views.seq_lens,
+            block_tables=block_tables, max_query_len=1 if pure_decode else max(batch.num_new_tokens),
             max_seq_len=max_seq_len,
             decode_num_splits=self.backend.decode_num_splits(num_seqs, max_seq_len, self.num_kv_heads),
         )
         sampling = SamplingTensors(
-            temperatures=device["temperatures"][:num_seqs], top_k=device["top_k"][:num_seqs],
-            top_p=device["top_p"][:num_seqs], min_p=device["min_p"][:num_seqs], seeds=device["seeds"][:num_seqs],
-            positions=device["sample_positions"][:num_seqs], all_greedy=all_greedy, any_filter=any_filter)
-        return StepInputs(ids, device["positions"][:num_rows], meta, device["logits_indices"][:num_seqs], sampling,
-                          graph_size)
+            temperatures=views.temperatures, top_k=views.top_k, top_p=views.top_p, min_p=views.min_p,
+            seeds=views.seeds, positions=views.sample_positions, all_greedy=all_greedy, any_filter=any_filter)
+        return StepInputs(views.input_ids, views.positions, meta, views.logits_indices, sampling, graph_size)
+
+    def _slice_device_views(self, num_rows: int, padded_seqs: int, num_seqs: int) -> _DeviceViews:
+        """The step buffers' device views for a step of these sizes (memoised: slicing a tensor is a torch
+        call, and a decode step of a given size recurs every step)."""
+        device = self.buffers.on_device
+        per_row = {name: device[name][:num_rows] for name in ("input_ids", "positions", "slot_mapping")}
+        per_seq = {name: device[name][:num_seqs] for name in ("logits_indices", "temperatures", "top_k", "top_p",
+                                                              "min_p", "seeds", "sample_positions")}
+        return _DeviceViews(**per_row, **per_seq, query_start_loc=device["query_start_loc"][:padded_seqs + 1],
+                            seq_lens=device["seq_lens"][:padded_seqs], rows=device["rows"][:padded_seqs],
+                            graph_block_tables=self.graphs.block_tables[:padded_seqs] if self.graphs else None)
+
+    def _slice_placeholder_views(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        device = self.buffers.on_device
+        return device["placeholder_rows"][:count], device["placeholder_sources"][:count]
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> StepHandle:
@@ -290,12 +321,13 @@ class ModelRunner:
         slot = self._output_slots[self._next_slot]
         self._next_slot ^= 1
         start, end = slot.timing
-        start.record()
+        stream = self.buffers.stream
+        start.record(stream)
         sampled = self._forward_and_sample(inputs)
-        end.record()
+        end.record(stream)
         host = slot.host[:len(sampled)]
         host.copy_(sampled, non_blocking=True)
-        slot.ready.record()
+        slot.ready.record(stream)
         return StepHandle(sampled, host, slot.timing, slot.ready)
 
     def _forward_and_sample(self, inputs: StepInputs) -> torch.Tensor:

@@ -54,6 +54,18 @@ class ScheduledBatch:
             seq.num_pending_tokens += 1
             seq.last_sample_index = len(self.seqs) - 1
 
+    def add_decodes(self, seqs: list[Sequence], start_positions: list[int], input_ids: list[int],
+                    placeholder_sources: list[int]) -> None:
+        """Start an empty batch with decodes that the scheduler already accounted for (one token each, sampled;
+        a placeholder source of -1 means the input token is known)."""
+        assert not self.seqs
+        n = len(seqs)
+        self.seqs, self.start_positions, self.input_ids = seqs, start_positions, input_ids
+        self.placeholder_sources = placeholder_sources
+        self.num_placeholders = n - placeholder_sources.count(-1)
+        self.num_new_tokens, self.samples = [1] * n, [True] * n
+        self.epochs = [seq.epoch for seq in seqs]
+
     def __len__(self) -> int:
         return len(self.seqs)
 
@@ -112,24 +124,52 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         preemptions_before = self.num_preemptions
         block_size = self.block_manager.block_size
-        add = batch.add
-        # The hot loop of every decode step: kept lean. `_make_room` pops preempted sequences off the end of
-        # `running`, and iterating a list that shrinks at its end never reaches the popped ones.
+        # The hot loop of every step, kept lean: a decode (one token that samples, past the prompt) is noted in
+        # four lists, and the decodes lead the batch; prompt chunks of running sequences are added after them.
+        # `_make_room` pops preempted sequences off the end of `running`, and iterating a list that shrinks at
+        # its end never reaches the popped ones.
+        decodes: list[Sequence] = []
+        starts: list[int] = []
+        input_ids: list[int] = []
+        sources: list[int] = []
+        chunks: list[tuple[Sequence, int, int, int]] = []
+        num_decodes = 0
         for seq in self.running:
             if budget <= 0:
                 break
-            effective = len(seq.token_ids) + seq.num_pending_tokens
+            token_ids = seq.token_ids
+            num_known = len(token_ids)
+            effective = num_known + seq.num_pending_tokens
             if effective >= seq.max_len:
                 continue  # its last token is already in flight: nothing more to compute
             start = seq.num_cached_tokens + seq.num_inflight_tokens
-            num_new = min(effective - start, budget)
+            num_new = effective - start
+            if num_new > budget:
+                num_new = budget
             if start + num_new > len(seq.block_table) * block_size:
                 if not self._make_room(seq, start + num_new):
                     break
                 self.block_manager.grow(seq, start + num_new)
                 batch.table_changed.append(seq)
-            add(seq, num_new, start, effective)
             budget -= num_new
+            if num_new != 1 or start + 1 != effective or start < seq.num_prompt_tokens:
+                chunks.append((seq, num_new, start, effective))
+                continue
+            if start < num_known:
+                input_ids.append(token_ids[start])
+                sources.append(-1)
+            else:  # sampled by the step in flight: read on the device
+                input_ids.append(0)
+                sources.append(seq.last_sample_index)
+            seq.num_inflight_tokens += 1
+            seq.num_pending_tokens += 1
+            seq.last_sample_index = num_decodes
+            num_decodes += 1
+            decodes.append(seq)
+            starts.append(start)
+        batch.add_decodes(decodes, starts, input_ids, sources)
+        for chunk in chunks:
+            batch.add(*chunk)
         preempted = self.num_preemptions != preemptions_before
 
         # Admitting new work right after a preemption would only thrash the cache.
@@ -179,13 +219,14 @@ class Scheduler:
 
         Returns the sequences that received an output token (finished ones included)."""
         updated = []
+        finished, commit = SequenceStatus.FINISHED, self.block_manager.commit_computed_blocks
         for seq, num_new, samples, epoch, token_id in zip(batch.seqs, batch.num_new_tokens, batch.samples,
                                                            batch.epochs, sampled_token_ids):
-            if seq.epoch != epoch or seq.is_finished:
+            if seq.epoch != epoch or seq.status is finished:
                 continue  # preempted or finished after this step was scheduled: its work here is void
             seq.num_inflight_tokens -= num_new
             seq.num_cached_tokens += num_new
-            self.block_manager.commit_computed_blocks(seq)
+            commit(seq)
             if not samples:
                 continue
             seq.num_pending_tokens -= 1

@@ -24,6 +24,12 @@ class Sequence:
     `epoch` changes on preemption, so the results of steps scheduled before it are recognised and dropped.
     """
 
+    __slots__ = ("seq_id", "request_id", "prompt", "token_ids", "num_prompt_tokens", "params", "max_len",
+                 "sampling_seed", "status", "block_table", "num_cached_tokens", "num_shared_kv_tokens",
+                 "num_hashed_blocks", "num_inflight_tokens", "num_pending_tokens", "epoch", "last_sample_index", "row",
+                 "num_prefix_hit_tokens", "num_preemptions", "finish_reason", "error", "stop_text_len",
+                 "arrival_time", "first_token_time", "finish_time")
+
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  sampling_seed: int, prompt: str | None = None):
         self.seq_id = seq_id

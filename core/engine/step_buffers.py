@@ -42,12 +42,19 @@ class StepBuffers:
         # On the CPU the host buffer is the device buffer: a step runs to its end before the next is prepared.
         self._host_bytes = [torch.zeros(size, dtype=torch.uint8, pin_memory=not self.on_cpu)
                             for _ in range(1 if self.on_cpu else 2)]
-        self._copied = [None] * len(self._host_bytes)  # event after each host buffer's last copy was queued
         self._device_bytes = (self._host_bytes[0] if self.on_cpu
                               else torch.zeros(size, dtype=torch.uint8, device=device))
+        if not self.on_cpu:
+            # Steps run on the stream current at construction. Events and stream are looked up once: torch's
+            # Python-side stream lookup costs tens of microseconds per call on a slow host.
+            self.stream = torch.cuda.current_stream(device)
+            self._copied = [torch.cuda.Event() for _ in self._host_bytes]  # each host buffer's last copy
+        self._copy_views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.on_device = {name: self._view(self._device_bytes, name) for name in self.fields}
         self._hosts = [{name: self._view(b, name).numpy() for name in self.fields} for b in self._host_bytes]
         self._current = 0
+        last = fields[-1]
+        self._last_offset, self._last_itemsize = self.offsets[last.name], last.dtype.itemsize
 
     def _view(self, buffer: torch.Tensor, name: str) -> torch.Tensor:
         f = self.fields[name]
@@ -57,24 +64,22 @@ class StepBuffers:
     def begin(self) -> dict[str, np.ndarray]:
         """The host views to fill for the next step (waits, rarely, until their previous copy has run)."""
         self._current = (self._current + 1) % len(self._hosts)
-        event = self._copied[self._current]
-        if event is not None:
-            event.synchronize()
+        if not self.on_cpu:
+            self._copied[self._current].synchronize()
         return self._hosts[self._current]
 
-    def upload(self, last_field_length: int | None = None) -> None:
-        """Queue the copy of the filled host buffer to the device on the current stream. The last field may be
+    def upload(self, last_field_length: int) -> None:
+        """Queue the copy of the filled host buffer to the device on the current stream. The last field is
         copied only in part (its first `last_field_length` elements): it is the one whose use varies most."""
         if self.on_cpu:
             return
-        size = self.size
-        if last_field_length is not None:
-            last = self.fields[next(reversed(self.fields))]
-            size = self.offsets[last.name] + last_field_length * last.dtype.itemsize
-        self._device_bytes[:size].copy_(self._host_bytes[self._current][:size], non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self._copied[self._current] = event
+        size = self._last_offset + last_field_length * self._last_itemsize
+        key = (self._current, size)
+        views = self._copy_views.get(key)
+        if views is None:
+            views = self._copy_views[key] = (self._device_bytes[:size], self._host_bytes[self._current][:size])
+        views[0].copy_(views[1], non_blocking=True)
+        self._copied[self._current].record(self.stream)
 
 
 @dataclass
@@ -93,12 +98,19 @@ class SequenceRows:
     sequence's table only grows, and only the sequences whose table changed for a step are looked at, to send
     their appended entries."""
 
-    def __init__(self, max_rows: int, max_blocks_per_seq: int, vocab_size: int, device: torch.device):
+    def __init__(self, max_rows: int, max_blocks_per_seq: int, vocab_size: int, device: torch.device,
+                 share_host_tables: bool | None = None):
         rows = max_rows + 1
         self.padding_row = max_rows
         self.width = max_blocks_per_seq
-        self.device_tables = torch.zeros(rows, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.host_tables = np.zeros((rows, max_blocks_per_seq), dtype=np.int32)
+        # On the CPU the device's tables are the host's (by default); else staged updates reach them in `apply`.
+        self.shares_host_tables = device.type == "cpu" if share_host_tables is None else share_host_tables
+        self.device_tables = (torch.from_numpy(self.host_tables) if self.shares_host_tables
+                              else torch.zeros(rows, max_blocks_per_seq, dtype=torch.int32, device=device))
+        self._flat_device_tables = self.device_tables.view(-1)
+        self._update_source: torch.Tensor | None = None
+        self._update_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.temperature = np.zeros(rows, dtype=np.float32)
         self.top_k = np.full(rows, vocab_size, dtype=np.int64)  # vocab size = no top-k
         self.top_p = np.ones(rows, dtype=np.float32)
@@ -136,9 +148,16 @@ class SequenceRows:
         return count
 
     def apply(self, table_updates: torch.Tensor, count: int) -> None:
-        """Write the entries that `sync` staged (now on the device) into the device tables."""
-        if count:
-            self.device_tables.view(-1)[table_updates[:count]] = table_updates[count:2 * count]
+        """Write the entries that `sync` staged (now on the device) into the device tables (shared host tables
+        have them already). The views of `table_updates` (in practice always the same tensor) are memoised."""
+        if not count or self.shares_host_tables:
+            return
+        if table_updates is not self._update_source:
+            self._update_source, self._update_views = table_updates, {}
+        views = self._update_views.get(count)
+        if views is None:
+            views = self._update_views[count] = (table_updates[:count], table_updates[count:2 * count])
+        self._flat_device_tables.index_put_(views[:1], views[1])
 
     def _refill(self, seq: Sequence, entry: _Row | None) -> _Row:
         if entry is None:
