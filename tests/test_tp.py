@@ -246,10 +246,15 @@ def test_worker_exception_reaches_the_caller_with_its_traceback(tmp_path, monkey
 
 
 _LIFE_CYCLE_SCRIPT = """
+import signal
 import sys
 from nanovllm import LLM, SamplingParams
 
 if __name__ == "__main__":
+    # Ctrl-C as a script started from a shell has it: a child inherits its parent's ignored signals, and what
+    # the test process inherited or set earlier in the suite must not decide this test.
+    print("inherited SIGINT handler:", signal.getsignal(signal.SIGINT), file=sys.stderr)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     llm = LLM("tiny-qwen3", tensor_parallel_size=2, max_model_len=2048, num_kv_blocks=160)
     print(*llm.workers.pids, flush=True)
     if sys.argv[1] != "return":
