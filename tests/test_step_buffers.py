@@ -11,38 +11,39 @@ from nanovllm.engine.step_buffers import Field, SequenceRows, StepBuffers
 VOCAB = 100
 
 
-def sync(rows: SequenceRows, seqs) -> tuple[list[int], list[tuple[int, int, int]]]:
+def sync(rows: SequenceRows, seqs, staged: np.ndarray | None = None) -> tuple[list[int], list[tuple[int, int, int]]]:
     """Rows of `seqs` after a sync of all of them applied to the device tables, and the (row, column, block)
-    entries it sent."""
-    staged = np.zeros(64, dtype=np.int32)
+    entries it sent (staged in `staged`: the rows' `staged_on_device`, if they have one)."""
+    staged = np.zeros(64, dtype=np.int32) if staged is None else staged
     count = rows.sync(seqs, staged)
-    rows.apply(torch.from_numpy(staged), count)
+    rows.apply(count)
     sent = [(int(i) // rows.width, int(i) % rows.width, int(b)) for i, b in zip(staged[:count], staged[count:2 * count])]
     return [seq.row for seq in seqs], sent
 
 
 def test_tables_send_only_new_entries_and_resync_after_preemption():
-    """With tables of their own on the device side (as on a GPU), so that `apply` does the writing."""
-    rows = SequenceRows(max_rows=4, max_blocks_per_seq=6, vocab_size=VOCAB, device=torch.device("cpu"),
-                        share_host_tables=False)
+    """With device tables of their own (as on a GPU), so that `apply` does the writing: the staging array plays
+    the uploaded step buffer (the same memory on both sides)."""
+    staged = np.zeros(64, dtype=np.int32)
+    rows = SequenceRows(max_rows=4, max_blocks_per_seq=6, vocab_size=VOCAB, staged_on_device=torch.from_numpy(staged))
     a, b = make_seq([1] * 40), make_seq([2] * 10)
     for seq in (a, b):
         seq.status = SequenceStatus.RUNNING
     a.block_table, b.block_table = [7, 3, 9], [5]
-    ids, _ = sync(rows, [a, b])
+    ids, _ = sync(rows, [a, b], staged)
     assert rows.device_tables[ids][:, :3].tolist() == [[7, 3, 9], [5, 0, 0]]
     a.block_table.append(11)
-    ids, sent = sync(rows, [a, b])
+    ids, sent = sync(rows, [a, b], staged)
     assert sent == [(ids[0], 3, 11)]  # the appended block only
     a.block_table, a.epoch = [2, 4], a.epoch + 1  # preempted and readmitted: a new table, all of it re-sent
-    ids, sent = sync(rows, [a])
+    ids, sent = sync(rows, [a], staged)
     assert sent == [(ids[0], 0, 2), (ids[0], 1, 4)]
     assert rows.device_tables[ids[0], :2].tolist() == [2, 4]
     assert np.array_equal(rows.host_tables, rows.device_tables.numpy())  # the host mirror agrees
 
 
 def test_rows_hold_sampling_settings_and_refresh_them_on_a_new_epoch():
-    rows = SequenceRows(max_rows=2, max_blocks_per_seq=2, vocab_size=VOCAB, device=torch.device("cpu"))
+    rows = SequenceRows(max_rows=2, max_blocks_per_seq=2, vocab_size=VOCAB)
     seq = make_seq([1, 2, 3], temperature=0.5, top_k=0, top_p=0.9, min_p=0.1)
     seq.status, seq.block_table, seq.num_shared_kv_tokens = SequenceStatus.RUNNING, [1], 0
     (row,), _ = sync(rows, [seq])
@@ -55,7 +56,7 @@ def test_rows_hold_sampling_settings_and_refresh_them_on_a_new_epoch():
 
 
 def test_rows_of_stopped_sequences_are_reclaimed():
-    rows = SequenceRows(max_rows=2, max_blocks_per_seq=2, vocab_size=VOCAB, device=torch.device("cpu"))
+    rows = SequenceRows(max_rows=2, max_blocks_per_seq=2, vocab_size=VOCAB)
     first = [make_seq([1]), make_seq([2])]
     for seq in first:
         seq.status, seq.block_table = SequenceStatus.RUNNING, [1]

@@ -115,7 +115,8 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.buffers = StepBuffers(self._step_fields(), self.device)
         # Rows for twice the running sequences: finished ones are reclaimed in bulk, rarely.
-        self.rows = SequenceRows(2 * self.max_batch_size, self.max_blocks_per_seq, self.vocab_size, self.device)
+        self.rows = SequenceRows(2 * self.max_batch_size, self.max_blocks_per_seq, self.vocab_size,
+                                 None if self.device.type == "cpu" else self.buffers.on_device["table_updates"])
         self._device_views = functools.lru_cache(maxsize=4096)(self._slice_device_views)
         self._placeholder_views = functools.lru_cache(maxsize=1024)(self._slice_placeholder_views)
         if self.device.type == "cuda":
@@ -272,7 +273,7 @@ class ModelRunner:
             np.subtract(ends, self.rows.num_prompt_tokens[rows], out=host["sample_positions"][:num_seqs])
         self.buffers.upload(2 * num_table_updates)
 
-        self.rows.apply(self.buffers.on_device["table_updates"], num_table_updates)
+        self.rows.apply(num_table_updates)
         max_seq_len = int(ends.max())
         num_rows = padded_seqs if graph_size else num_tokens
         views = self._device_views(num_rows, padded_seqs, num_seqs)

@@ -98,19 +98,21 @@ class SequenceRows:
     sequence's table only grows, and only the sequences whose table changed for a step are looked at, to send
     their appended entries."""
 
-    def __init__(self, max_rows: int, max_blocks_per_seq: int, vocab_size: int, device: torch.device,
-                 share_host_tables: bool | None = None):
+    def __init__(self, max_rows: int, max_blocks_per_seq: int, vocab_size: int,
+                 staged_on_device: torch.Tensor | None = None):
+        """`staged_on_device`: where the entries that `sync` stages land on the device once the step's buffer is
+        uploaded (`apply` writes them into the device tables from there); None: the device is this host, and
+        its tables are the host tables."""
         rows = max_rows + 1
         self.padding_row = max_rows
         self.width = max_blocks_per_seq
         self.host_tables = np.zeros((rows, max_blocks_per_seq), dtype=np.int32)
-        # On the CPU the device's tables are the host's (by default); else staged updates reach them in `apply`.
-        self.shares_host_tables = device.type == "cpu" if share_host_tables is None else share_host_tables
-        self.device_tables = (torch.from_numpy(self.host_tables) if self.shares_host_tables
-                              else torch.zeros(rows, max_blocks_per_seq, dtype=torch.int32, device=device))
+        self._staged_on_device = staged_on_device
+        self.device_tables = (torch.from_numpy(self.host_tables) if staged_on_device is None
+                              else torch.zeros(rows, max_blocks_per_seq, dtype=torch.int32,
+                                               device=staged_on_device.device))
         self._flat_device_tables = self.device_tables.view(-1)
-        self._update_source: torch.Tensor | None = None
-        self._update_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._staged_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # by count: slicing is a torch call
         self.temperature = np.zeros(rows, dtype=np.float32)
         self.top_k = np.full(rows, vocab_size, dtype=np.int64)  # vocab size = no top-k
         self.top_p = np.ones(rows, dtype=np.float32)
@@ -147,16 +149,15 @@ class SequenceRows:
             self.host_tables.reshape(-1)[table_updates[:count]] = table_updates[count:2 * count]
         return count
 
-    def apply(self, table_updates: torch.Tensor, count: int) -> None:
-        """Write the entries that `sync` staged (now on the device) into the device tables (shared host tables
-        have them already). The views of `table_updates` (in practice always the same tensor) are memoised."""
-        if not count or self.shares_host_tables:
+    def apply(self, count: int) -> None:
+        """Write the `count` entries that `sync` staged, now on the device, into the device tables (shared host
+        tables have them already)."""
+        if not count or self._staged_on_device is None:
             return
-        if table_updates is not self._update_source:
-            self._update_source, self._update_views = table_updates, {}
-        views = self._update_views.get(count)
+        views = self._staged_views.get(count)
         if views is None:
-            views = self._update_views[count] = (table_updates[:count], table_updates[count:2 * count])
+            staged = self._staged_on_device
+            views = self._staged_views[count] = (staged[:count], staged[count:2 * count])
         self._flat_device_tables.index_put_(views[:1], views[1])
 
     def _refill(self, seq: Sequence, entry: _Row | None) -> _Row:
