@@ -139,3 +139,44 @@ def test_max_tokens_known_ahead_is_not_scheduled_again():
     sched.add(seq)
     sched.schedule()
     assert not sched.schedule()  # its only output token is in flight: nothing to compute
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("num_kv_blocks", [128, 20])
+def test_steady_decode_steps_equal_the_full_schedule(async_scheduling, num_kv_blocks, tiny_model_dirs,
+                                                     monkeypatch):
+    """The scheduler's shortcut for a step that is the previous one advanced (every running sequence decodes)
+    must build the very batch its full loop builds, including block growth, finishes and (few KV blocks)
+    preemptions; and it must serve most decode steps."""
+    prompts = [list(range(3, 3 + n)) for n in (5, 17, 30, 9, 44, 23)]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (100, 64, 120, 100, 64, 120)]
+
+    def batches(shortcut: bool) -> tuple[list[tuple], int]:
+        llm = LLM(str(tiny_model_dirs["qwen3"]), async_scheduling=async_scheduling, max_model_len=256,
+                  num_kv_blocks=num_kv_blocks)
+        scheduler, seen, served = llm.scheduler, [], []
+        full, steady = scheduler._schedule, scheduler._schedule_steady_decode
+
+        def record_full():
+            batch = full()
+            seen.append(batch)
+            return batch
+
+        def record_steady(plan):
+            batch = steady(plan) if shortcut else None
+            if batch is not None:
+                seen.append(batch)
+                served.append(batch)
+            return batch
+
+        monkeypatch.setattr(scheduler, "_schedule", record_full)
+        monkeypatch.setattr(scheduler, "_schedule_steady_decode", record_steady)
+        llm.generate(prompts, params)
+        assert (llm.get_stats()["preemptions"] > 0) == (num_kv_blocks < 46)  # 46 blocks hold every sequence
+        return [([s.seq_id for s in b.seqs], list(b.start_positions), b.input_ids, b.num_new_tokens,
+                 b.placeholder_sources, [s.seq_id for s in b.table_changed], b.epochs) for b in seen], len(served)
+
+    with_shortcut, served = batches(True)
+    without, _ = batches(False)
+    assert with_shortcut == without
+    assert served > len(without) / 2

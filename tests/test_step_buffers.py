@@ -6,40 +6,49 @@ from helpers import make_seq
 
 from nanovllm.engine.cuda_graphs import batch_size_ladder
 from nanovllm.engine.sequence import SequenceStatus
-from nanovllm.engine.step_buffers import Field, SequenceRows, StepBuffers
+from nanovllm.engine.step_buffers import DeviceBlockTables, Field, SequenceRows, StepBuffers
 
 VOCAB = 100
 
 
-def sync(rows: SequenceRows, seqs, staged: np.ndarray | None = None) -> tuple[list[int], list[tuple[int, int, int]]]:
-    """Rows of `seqs` after a sync of all of them applied to the device tables, and the (row, column, block)
-    entries it sent (staged in `staged`: the rows' `staged_on_device`, if they have one)."""
-    staged = np.zeros(64, dtype=np.int32) if staged is None else staged
-    count = rows.sync(seqs, staged)
-    rows.apply(count)
-    sent = [(int(i) // rows.width, int(i) % rows.width, int(b)) for i, b in zip(staged[:count], staged[count:2 * count])]
+def sync(rows: SequenceRows, seqs, tables: DeviceBlockTables | None = None
+         ) -> tuple[list[int], list[tuple[int, int, int]]]:
+    """Rows of `seqs` after a sync of all of them (applied to `tables`, if given), and the (row, column, block)
+    entries it reported missing on the device."""
+    indices, blocks = rows.sync(seqs)
+    if tables is not None:
+        tables.apply(torch.tensor([indices, blocks], dtype=torch.int32).view(2, -1))
+    sent = [(i // rows.width, i % rows.width, b) for i, b in zip(indices, blocks)]
     return [seq.row for seq in seqs], sent
 
 
 def test_tables_send_only_new_entries_and_resync_after_preemption():
-    """With device tables of their own (as on a GPU), so that `apply` does the writing: the staging array plays
-    the uploaded step buffer (the same memory on both sides)."""
-    staged = np.zeros(64, dtype=np.int32)
-    rows = SequenceRows(max_rows=4, max_blocks_per_seq=6, vocab_size=VOCAB, staged_on_device=torch.from_numpy(staged))
+    rows = SequenceRows(max_rows=4, max_blocks_per_seq=6, vocab_size=VOCAB)
+    tables = DeviceBlockTables(len(rows.host_tables), rows.width, torch.device("cpu"))
     a, b = make_seq([1] * 40), make_seq([2] * 10)
     for seq in (a, b):
         seq.status = SequenceStatus.RUNNING
     a.block_table, b.block_table = [7, 3, 9], [5]
-    ids, _ = sync(rows, [a, b], staged)
-    assert rows.device_tables[ids][:, :3].tolist() == [[7, 3, 9], [5, 0, 0]]
+    ids, _ = sync(rows, [a, b], tables)
+    assert tables.gather(torch.tensor(ids), 3).tolist() == [[7, 3, 9], [5, 0, 0]]
     a.block_table.append(11)
-    ids, sent = sync(rows, [a, b], staged)
+    ids, sent = sync(rows, [a, b], tables)
     assert sent == [(ids[0], 3, 11)]  # the appended block only
     a.block_table, a.epoch = [2, 4], a.epoch + 1  # preempted and readmitted: a new table, all of it re-sent
-    ids, sent = sync(rows, [a], staged)
+    ids, sent = sync(rows, [a], tables)
     assert sent == [(ids[0], 0, 2), (ids[0], 1, 4)]
-    assert rows.device_tables[ids[0], :2].tolist() == [2, 4]
-    assert np.array_equal(rows.host_tables, rows.device_tables.numpy())  # the host mirror agrees
+    assert tables.tables[ids[0], :2].tolist() == [2, 4]
+    # the host mirror agrees, and the device's extra sink row took nothing
+    assert np.array_equal(rows.host_tables, tables.tables[:-1].numpy()) and not tables.tables[-1].any()
+
+
+def test_padding_updates_land_in_the_sink_row_only():
+    """A graph step applies a fixed number of entries: the padding ones write the sink row, which no row reads."""
+    tables = DeviceBlockTables(num_rows=3, width=4, device=torch.device("cpu"))
+    sink = tables.sink_index
+    tables.apply(torch.tensor([[1 * 4 + 2, sink, sink], [9, 0, 0]], dtype=torch.int32))
+    assert tables.gather(torch.tensor([0, 1, 2])).tolist() == [[0] * 4, [0, 0, 9, 0], [0] * 4]
+    assert sink == 3 * 4
 
 
 def test_rows_hold_sampling_settings_and_refresh_them_on_a_new_epoch():

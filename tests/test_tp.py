@@ -164,9 +164,6 @@ def test_tp3_equals_tp1_smollm():
 class _GraphSizes:
     """Stands in for the CUDA decode graphs on the CPU: the runner pads a decode batch of 3 to graph size 4."""
 
-    def __init__(self, max_batch_size: int, max_blocks_per_seq: int):
-        self.block_tables = torch.zeros(max_batch_size, max_blocks_per_seq, dtype=torch.int32)
-
     @staticmethod
     def batch_size_for(num_seqs: int) -> int:
         return 4
@@ -178,24 +175,41 @@ def test_step_packing_round_trip():
     for prompt in ([1, 2, 3, 4, 5] * 5, [7, 8], [9] * 20):
         rank0.add_request(prompt, SamplingParams(temperature=0.7, top_k=5, max_tokens=4, seed=1))
     rank0.step()  # the prefills
-    rank0.runner.graphs = _GraphSizes(rank0.runner.max_batch_size, rank0.runner.max_blocks_per_seq)
+    rank0.runner.graphs = _GraphSizes()
     batch = rank0.scheduler.schedule()
     assert batch.is_pure_decode
     sent = rank0.runner.prepare(batch)
-    assert sent.graph_size == 4 and len(sent.input_ids) == 4
+    assert sent.graph_size == 4 and len(sent.input_ids) == 4 and sent.table_updates.shape == (2, 4)
 
     header, payload = pack(sent)
     received = unpack(StepInputs, header, payload.clone())
-    for field in ("input_ids", "positions", "logits_indices", "graph_size"):
-        assert torch.equal(torch.as_tensor(getattr(received, field)), torch.as_tensor(getattr(sent, field)))
-    for group in ("meta", "sampling"):
-        for name, value in vars(getattr(sent, group)).items():
-            got = getattr(getattr(received, group), name)
+    for sent_part, received_part in ((sent, received), (sent.sampling, received.sampling)):
+        for name, value in vars(sent_part).items():
+            got = getattr(received_part, name)
             assert type(got) is type(value)
             if isinstance(value, torch.Tensor):
                 assert got.dtype == value.dtype and torch.equal(got, value), name
-            else:
+            elif name != "sampling":
                 assert got == value, name
+
+
+def test_graph_steps_carry_one_table_entry_per_row_or_run_eagerly():
+    """A decode graph applies a fixed number of table updates (its batch size, padded with sink writes); a step
+    that brings more (a sequence readmitted with its whole table) runs eagerly with all of them."""
+    llm = LLM("tiny-qwen3", max_model_len=256, num_kv_blocks=32)
+    llm.add_request(list(range(3, 73)), SamplingParams(temperature=0, max_tokens=4))  # 70 tokens: 5 blocks
+    llm.step()
+    runner, seq = llm.runner, llm.scheduler.running[0]
+    runner.graphs = _GraphSizes()
+    batch = llm.scheduler.schedule()
+    inputs = runner.prepare(batch)
+    assert inputs.graph_size == 4 and inputs.table_updates.tolist() == [[runner.tables.sink_index] * 4, [0] * 4]
+    seq.epoch += 1  # as if preempted and readmitted: its row is refilled and its 5 blocks sent again
+    batch.table_changed.append(seq)
+    inputs = runner.prepare(batch)
+    row = seq.row * runner.rows.width
+    assert inputs.graph_size is None
+    assert inputs.table_updates.tolist() == [list(range(row, row + 5)), seq.block_table]
 
 
 # ---- failures and life cycle -----------------------------------------------------------------------------------

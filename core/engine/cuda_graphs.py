@@ -2,7 +2,9 @@
 
 A decode step of a few hundred sequences is hundreds of small kernels; replaying a captured graph removes their
 launch cost. The graphs read the step's inputs from the runner's fixed device buffers (`StepBuffers`), so a
-replay needs no copies; the runner pads a batch to the next captured size with entries that write no KV."""
+replay needs no copies; the runner pads a batch to the next captured size with entries that write no KV. A graph
+also applies the step's block-table updates (one entry per row, padded with writes to the sink row) and gathers
+the rows' tables, so a decode step costs the host no launch but the replay's."""
 from __future__ import annotations
 
 import bisect
@@ -11,6 +13,7 @@ from collections.abc import Callable
 import torch
 
 from nanovllm.attention import AttentionMetadata
+from nanovllm.engine.step_buffers import DeviceBlockTables
 
 
 def batch_size_ladder(max_batch_size: int) -> list[int]:
@@ -20,18 +23,19 @@ def batch_size_ladder(max_batch_size: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model, buffers: dict[str, torch.Tensor], max_batch_size: int, max_seq_len: int,
-                 block_size: int, num_splits_for: Callable[[int], int]):
+    def __init__(self, model, buffers: dict[str, torch.Tensor], tables: DeviceBlockTables, max_batch_size: int,
+                 max_seq_len: int, block_size: int, num_splits_for: Callable[[int], int]):
         self.sizes = batch_size_ladder(max_batch_size)
         # The block tables a replay reads: full width, since a graph is captured once for every context length.
         self.block_tables = torch.zeros(max_batch_size, -(-max_seq_len // block_size), dtype=torch.int32,
                                         device=buffers["input_ids"].device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...], torch.Tensor]] = {}
-        # Safe contents while capturing: one token per row, no KV written, the all-zero table row.
+        # Safe contents while capturing: one token per row, no KV written, row 0's table (all zeros yet).
         buffers["input_ids"].zero_()
         buffers["positions"].zero_()
         buffers["slot_mapping"].fill_(-1)
         buffers["seq_lens"].fill_(1)
+        buffers["rows"].zero_()
         buffers["query_start_loc"].copy_(torch.arange(len(buffers["query_start_loc"]), dtype=torch.int32))
         pool = None
         with torch.inference_mode():
@@ -45,15 +49,17 @@ class DecodeGraphs:
                     max_seq_len=max_seq_len,
                     decode_num_splits=num_splits_for(size),
                 )
-
-                input_ids, positions = buffers["input_ids"][:size], buffers["positions"][:size]
-                model.compute_logits(model(input_ids, positions, meta))  # compile and initialise outside the capture
+                updates = buffers["table_updates"][:2 * size].view(2, size)
+                updates[0].fill_(tables.sink_index)
+                updates[1].zero_()
+                inputs = (buffers["input_ids"][:size], buffers["positions"][:size], meta.slot_mapping,
+                          meta.seq_lens, buffers["rows"][:size], updates)
+                _decode_step(model, tables, inputs, meta)  # compile and initialise outside the capture
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    logits = model.compute_logits(model(input_ids, positions, meta))
+                    logits = _decode_step(model, tables, inputs, meta)
                 pool = graph.pool()
-                inputs = (input_ids, positions, meta.slot_mapping, meta.seq_lens, meta.block_tables)
                 self.graphs[size] = (graph, inputs, logits)
         torch.cuda.synchronize()
 
@@ -61,14 +67,22 @@ class DecodeGraphs:
         index = bisect.bisect_left(self.sizes, num_seqs)
         return self.sizes[index] if index < len(self.sizes) else None
 
-    def replay(self, size: int, input_ids: torch.Tensor, positions: torch.Tensor,
-               meta: AttentionMetadata) -> torch.Tensor:
-        """Run the graph of `size` on these inputs. The runner prepares them in the captured buffers already; a
-        tensor-parallel worker receives them elsewhere and they are copied in."""
+    def replay(self, size: int, inputs) -> torch.Tensor:
+        """Run the graph of `size` on these StepInputs. The runner prepares them in the captured buffers already;
+        a tensor-parallel worker receives them elsewhere and they are copied in."""
         graph, captured, logits = self.graphs[size]
-        if input_ids.data_ptr() != captured[0].data_ptr():  # all inputs are in place, or none (a worker's)
-            for source, target in zip((input_ids, positions, meta.slot_mapping, meta.seq_lens, meta.block_tables),
-                                      captured):
+        if inputs.input_ids.data_ptr() != captured[0].data_ptr():  # all inputs are in place, or none (a worker's)
+            for source, target in zip((inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.seq_lens,
+                                       inputs.rows, inputs.table_updates), captured):
                 target.copy_(source)
         graph.replay()
         return logits
+
+
+def _decode_step(model, tables: DeviceBlockTables, inputs: tuple[torch.Tensor, ...],
+                 meta: AttentionMetadata) -> torch.Tensor:
+    """What a graph runs: apply the table updates, gather the rows' tables, forward, logits."""
+    input_ids, positions, _, _, rows, updates = inputs
+    tables.apply(updates)
+    tables.gather(rows, out=meta.block_tables)
+    return model.compute_logits(model(input_ids, positions, meta))

@@ -11,7 +11,7 @@ from nanovllm.config import EngineConfig
 from nanovllm.distributed import min_over_ranks
 from nanovllm.engine.cuda_graphs import DecodeGraphs
 from nanovllm.engine.scheduler import ScheduledBatch
-from nanovllm.engine.step_buffers import Field, SequenceRows, StepBuffers
+from nanovllm.engine.step_buffers import DeviceBlockTables, Field, SequenceRows, StepBuffers
 from nanovllm.layers.sampler import SamplingTensors, sample
 from nanovllm.loaders import ResolvedModel, load_dummy_weights, load_safetensors_weights
 from nanovllm.models.llama import LlamaForCausalLM, head_dim_of, kv_block_bytes, kv_heads_per_rank
@@ -19,11 +19,20 @@ from nanovllm.models.llama import LlamaForCausalLM, head_dim_of, kv_block_bytes,
 
 @dataclass
 class StepInputs:
+    """One step's device inputs; every tensor-parallel rank executes the same ones (tp_step.py sends them)."""
+
     input_ids: torch.Tensor
     positions: torch.Tensor
-    meta: AttentionMetadata
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    rows: torch.Tensor  # each sequence's row of the block tables
+    table_updates: torch.Tensor  # [2, n] table entries new to the device (flat indices, block ids), applied first
     logits_indices: torch.Tensor  # the last new token of each sequence
     sampling: SamplingTensors
+    max_query_len: int
+    max_seq_len: int
+    decode_num_splits: int
     graph_size: int | None  # replay the decode graph of this batch size instead of running eagerly
 
 
@@ -44,7 +53,6 @@ class _DeviceViews:
     min_p: torch.Tensor
     seeds: torch.Tensor
     sample_positions: torch.Tensor
-    graph_block_tables: torch.Tensor | None
 
 
 @dataclass
@@ -58,12 +66,14 @@ class _OutputSlot:
 
 @dataclass
 class StepHandle:
-    """A launched step: sampled ids on the device, their pinned host copy, timing events, the copy's event."""
+    """A launched step: sampled ids on the device, their pinned host copy, timing events, the copy's event, and
+    the number of the step-buffer upload the step read."""
 
     sampled: torch.Tensor
     host: torch.Tensor | None
     timing: tuple[torch.cuda.Event, torch.cuda.Event] | None
     ready: torch.cuda.Event | None
+    upload: int
 
 
 class ModelRunner:
@@ -115,10 +125,13 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.buffers = StepBuffers(self._step_fields(), self.device)
         # Rows for twice the running sequences: finished ones are reclaimed in bulk, rarely.
-        self.rows = SequenceRows(2 * self.max_batch_size, self.max_blocks_per_seq, self.vocab_size,
-                                 None if self.device.type == "cpu" else self.buffers.on_device["table_updates"])
+        self.rows = SequenceRows(2 * self.max_batch_size, self.max_blocks_per_seq, self.vocab_size)
+        self.tables = DeviceBlockTables(len(self.rows.host_tables), self.max_blocks_per_seq, self.device)
         self._device_views = functools.lru_cache(maxsize=4096)(self._slice_device_views)
         self._placeholder_views = functools.lru_cache(maxsize=1024)(self._slice_placeholder_views)
+        self._table_update_views = functools.lru_cache(maxsize=4096)(self._slice_table_update_views)
+        self._rows_of: tuple[list, np.ndarray] = ([], np.zeros(0, dtype=np.int64))  # a batch's seqs, their rows
+        self._arange = np.arange(self.max_batch_size + 1)
         if self.device.type == "cuda":
             self._output_slots = [
                 _OutputSlot(torch.empty(self.max_batch_size, dtype=torch.int64, pin_memory=True),
@@ -128,8 +141,8 @@ class ModelRunner:
             self._next_slot = 0
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager and backend.supports_cuda_graphs:
-            self.graphs = DecodeGraphs(self.model, self.buffers.on_device, self.max_batch_size, max_model_len,
-                                       self.block_size,
+            self.graphs = DecodeGraphs(self.model, self.buffers.on_device, self.tables, self.max_batch_size,
+                                       max_model_len, self.block_size,
                                        lambda size: backend.decode_num_splits(size, max_model_len, self.num_kv_heads))
 
     # ---- KV cache --------------------------------------------------------------------------------------------
@@ -200,7 +213,7 @@ class ModelRunner:
             Field("temperatures", f32, max_seqs), Field("top_k", i64, max_seqs), Field("top_p", f32, max_seqs),
             Field("min_p", f32, max_seqs), Field("seeds", i64, max_seqs), Field("sample_positions", i64, max_seqs),
             # Last, because it is uploaded only as far as it is used: block-table entries new to the device
-            # (flat indices, then block ids); at most every table of a full batch.
+            # (n flat indices, then n block ids); at most every table of a full batch.
             Field("table_updates", i32, 2 * max_seqs * self.max_blocks_per_seq),
         ]
 
@@ -213,22 +226,34 @@ class ModelRunner:
         seqs = batch.seqs
         num_seqs = len(seqs)
         host = self.buffers.begin()
-        num_table_updates = self.rows.sync(batch.table_changed, host["table_updates"])
-        rows = [seq.row for seq in seqs]
+        update_indices, update_blocks = self.rows.sync(batch.table_changed)
+        num_updates = len(update_blocks)
+        if seqs is not self._rows_of[0]:  # the scheduler's steady decode steps reuse one list of sequences
+            self._rows_of = (seqs, np.fromiter([seq.row for seq in seqs], np.int64, num_seqs))
         input_ids = batch.input_ids
         num_tokens = len(input_ids)
         pure_decode = num_tokens == num_seqs
         graph_size = self.graphs.batch_size_for(num_seqs) if self.graphs and pure_decode else None
+        if graph_size is not None and num_updates > graph_size:
+            graph_size = None  # a graph applies one table entry per row; a readmitted sequence may bring more
         padded_seqs = graph_size or num_seqs
+        # Table entries the step carries: a graph's fixed number (padded with writes to the sink row), or all.
+        num_staged = graph_size or num_updates
+        staged = host["table_updates"]
+        staged[:num_updates] = update_indices
+        staged[num_staged:num_staged + num_updates] = update_blocks
+        if num_staged > num_updates:
+            staged[num_updates:num_staged] = self.tables.sink_index
+            staged[num_staged + num_updates:2 * num_staged] = 0
 
         host_rows = host["rows"][:padded_seqs]
-        host_rows[:num_seqs] = rows
+        host_rows[:num_seqs] = self._rows_of[1]
         host_rows[num_seqs:] = self.rows.padding_row
         rows = host_rows[:num_seqs]
         starts = np.array(batch.start_positions, dtype=np.int64)
         query_start = host["query_start_loc"][:num_seqs + 1]
         if pure_decode:
-            query_start[:] = np.arange(num_seqs + 1)
+            query_start[:] = self._arange[:num_seqs + 1]
             positions, token_rows, ends = starts, rows, starts + 1
         else:
             num_new = np.array(batch.num_new_tokens, dtype=np.int64)
@@ -251,7 +276,7 @@ class ModelRunner:
             host["input_ids"][pad] = 0
             host["positions"][pad] = 0
             host["slot_mapping"][pad] = -1
-            host["query_start_loc"][num_seqs + 1:padded_seqs + 1] = np.arange(num_tokens + 1, padded_seqs + 1)
+            host["query_start_loc"][num_seqs + 1:padded_seqs + 1] = self._arange[num_tokens + 1:padded_seqs + 1]
             host["seq_lens"][pad] = 1
         num_placeholders = batch.num_placeholders
         if num_placeholders:
@@ -271,30 +296,24 @@ class ModelRunner:
                               or (host["top_p"][:num_seqs] < 1).any() or host["min_p"][:num_seqs].any())
             # index of the output token each row draws: the token after the chunk's last position
             np.subtract(ends, self.rows.num_prompt_tokens[rows], out=host["sample_positions"][:num_seqs])
-        self.buffers.upload(2 * num_table_updates)
+        self.buffers.upload(2 * num_staged)
 
-        self.rows.apply(num_table_updates)
         max_seq_len = int(ends.max())
-        num_rows = padded_seqs if graph_size else num_tokens
-        views = self._device_views(num_rows, padded_seqs, num_seqs)
-        if graph_size:
-            block_tables = views.graph_block_tables
-            torch.index_select(self.rows.device_tables, 0, views.rows, out=block_tables)
-        else:  # only the columns this step reads
-            block_tables = self.rows.device_tables[:, :-(-max_seq_len // block_size)].index_select(0, views.rows)
+        views = self._device_views(padded_seqs if graph_size else num_tokens, padded_seqs, num_seqs)
         if num_placeholders:
             placeholder_rows, placeholder_sources = self._placeholder_views(num_placeholders)
             views.input_ids.index_put_((placeholder_rows,), previous.sampled.index_select(0, placeholder_sources))
-        meta = AttentionMetadata(
-            slot_mapping=views.slot_mapping, query_start_loc=views.query_start_loc, seq_lens=views.seq_lens,
-            block_tables=block_tables, max_query_len=1 if pure_decode else max(batch.num_new_tokens),
-            max_seq_len=max_seq_len,
-            decode_num_splits=self.backend.decode_num_splits(num_seqs, max_seq_len, self.num_kv_heads),
-        )
         sampling = SamplingTensors(
             temperatures=views.temperatures, top_k=views.top_k, top_p=views.top_p, min_p=views.min_p,
             seeds=views.seeds, positions=views.sample_positions, all_greedy=all_greedy, any_filter=any_filter)
-        return StepInputs(views.input_ids, views.positions, meta, views.logits_indices, sampling, graph_size)
+        return StepInputs(
+            input_ids=views.input_ids, positions=views.positions, slot_mapping=views.slot_mapping,
+            query_start_loc=views.query_start_loc, seq_lens=views.seq_lens, rows=views.rows,
+            table_updates=self._table_update_views(num_staged), logits_indices=views.logits_indices,
+            sampling=sampling, max_query_len=1 if pure_decode else max(batch.num_new_tokens),
+            max_seq_len=max_seq_len,
+            decode_num_splits=self.backend.decode_num_splits(num_seqs, max_seq_len, self.num_kv_heads),
+            graph_size=graph_size)
 
     def _slice_device_views(self, num_rows: int, padded_seqs: int, num_seqs: int) -> _DeviceViews:
         """The step buffers' device views for a step of these sizes (memoised: slicing a tensor is a torch
@@ -304,20 +323,23 @@ class ModelRunner:
         per_seq = {name: device[name][:num_seqs] for name in ("logits_indices", "temperatures", "top_k", "top_p",
                                                               "min_p", "seeds", "sample_positions")}
         return _DeviceViews(**per_row, **per_seq, query_start_loc=device["query_start_loc"][:padded_seqs + 1],
-                            seq_lens=device["seq_lens"][:padded_seqs], rows=device["rows"][:padded_seqs],
-                            graph_block_tables=self.graphs.block_tables[:padded_seqs] if self.graphs else None)
+                            seq_lens=device["seq_lens"][:padded_seqs], rows=device["rows"][:padded_seqs])
 
     def _slice_placeholder_views(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         device = self.buffers.on_device
         return device["placeholder_rows"][:count], device["placeholder_sources"][:count]
+
+    def _slice_table_update_views(self, count: int) -> torch.Tensor:
+        return self.buffers.on_device["table_updates"][:2 * count].view(2, count)
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> StepHandle:
         """Launch forward + sampling and return at once (on the CPU the work is done by the time it returns).
 
         The sampled ids are copied to pinned host memory behind an event; `wait` blocks on that event only."""
+        upload = self.buffers.num_uploads  # the step's inputs are the latest upload
         if self.device.type == "cpu":
-            return StepHandle(self._forward_and_sample(inputs), None, None, None)
+            return StepHandle(self._forward_and_sample(inputs), None, None, None, upload)
         # The step loop waits for step N before it launches step N+2: two output slots are never both in use.
         slot = self._output_slots[self._next_slot]
         self._next_slot ^= 1
@@ -329,23 +351,30 @@ class ModelRunner:
         host = slot.host[:len(sampled)]
         host.copy_(sampled, non_blocking=True)
         slot.ready.record(stream)
-        return StepHandle(sampled, host, slot.timing, slot.ready)
+        return StepHandle(sampled, host, slot.timing, slot.ready, upload)
 
     def _forward_and_sample(self, inputs: StepInputs) -> torch.Tensor:
-        if inputs.graph_size is not None:
-            logits = self.graphs.replay(inputs.graph_size, inputs.input_ids, inputs.positions, inputs.meta)
+        if inputs.graph_size is not None:  # the graph applies the table updates and gathers the tables itself
+            logits = self.graphs.replay(inputs.graph_size, inputs)
         else:
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+            if inputs.table_updates.shape[1]:
+                self.tables.apply(inputs.table_updates)
+            meta = AttentionMetadata(
+                slot_mapping=inputs.slot_mapping, query_start_loc=inputs.query_start_loc, seq_lens=inputs.seq_lens,
+                block_tables=self.tables.gather(inputs.rows, -(-inputs.max_seq_len // self.block_size)),
+                max_query_len=inputs.max_query_len, max_seq_len=inputs.max_seq_len,
+                decode_num_splits=inputs.decode_num_splits)
+            hidden = self.model(inputs.input_ids, inputs.positions, meta)
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
         if logits is None:  # a tensor-parallel worker: the logits were gathered to rank 0, which samples
             return inputs.logits_indices[:0]
         return sample(logits[:len(inputs.logits_indices)], inputs.sampling)
 
-    @staticmethod
-    def wait(handle: StepHandle) -> tuple[list[int], float | None]:
+    def wait(self, handle: StepHandle) -> tuple[list[int], float | None]:
         """The step's sampled ids, and its device time in seconds (None on the CPU)."""
         if handle.ready is None:
             return handle.sampled.tolist(), None
         handle.ready.synchronize()
+        self.buffers.settle(handle.upload)  # the step's input upload ran before it
         start, end = handle.timing
         return handle.host.tolist(), start.elapsed_time(end) / 1000

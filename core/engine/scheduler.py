@@ -3,6 +3,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 
@@ -21,7 +23,7 @@ class ScheduledBatch:
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
-    start_positions: list[int] = field(default_factory=list)
+    start_positions: list[int] | np.ndarray = field(default_factory=list)  # an array when all are decodes
     samples: list[bool] = field(default_factory=list)
     epochs: list[int] = field(default_factory=list)
     placeholder_sources: list[int] = field(default_factory=list)
@@ -54,8 +56,8 @@ class ScheduledBatch:
             seq.num_pending_tokens += 1
             seq.last_sample_index = len(self.seqs) - 1
 
-    def add_decodes(self, seqs: list[Sequence], start_positions: list[int], input_ids: list[int],
-                    placeholder_sources: list[int]) -> None:
+    def add_decodes(self, seqs: list[Sequence], start_positions: list[int] | np.ndarray, input_ids: list[int],
+                    placeholder_sources: list[int], epochs: list[int] | None = None) -> None:
         """Start an empty batch with decodes that the scheduler already accounted for (one token each, sampled;
         a placeholder source of -1 means the input token is known)."""
         assert not self.seqs
@@ -64,7 +66,7 @@ class ScheduledBatch:
         self.placeholder_sources = placeholder_sources
         self.num_placeholders = n - placeholder_sources.count(-1)
         self.num_new_tokens, self.samples = [1] * n, [True] * n
-        self.epochs = [seq.epoch for seq in seqs]
+        self.epochs = [seq.epoch for seq in seqs] if epochs is None else epochs
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -77,6 +79,20 @@ class ScheduledBatch:
     def is_pure_decode(self) -> bool:
         """Every sequence computes exactly one token: the CUDA-graph fast path."""
         return self.num_tokens == len(self.seqs)
+
+
+@dataclass
+class _DecodePlan:
+    """The previous step when it was all of the running sequences decoding one token each (nothing else): the
+    next step, if nothing changed in between, is the same batch one position further on. Arrays follow `seqs`."""
+
+    seqs: list[Sequence]
+    epochs: list[int]
+    starts: np.ndarray  # the positions the previous step computed
+    max_lens: np.ndarray
+    capacities: np.ndarray  # tokens each block table holds
+    running_version: int  # the running set it was made for
+    in_flight_sources: list[int]  # range(len(seqs)): where each one's in-flight sample is, in the previous step
 
 
 class Scheduler:
@@ -96,6 +112,9 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order: the last one is preempted first
         self.num_preemptions = 0
         self.finished: list[Sequence] = []  # finished since the last take_finished()
+        # A steady decode step (see _DecodePlan) is scheduled without a Python loop over the running sequences.
+        self._running_version = 0  # changes whenever a sequence joins or leaves `running`
+        self._plan: _DecodePlan | None = None  # set by the previous schedule() only
 
     def add(self, seq: Sequence) -> None:
         seq.max_len = self.max_len_of(seq)
@@ -120,8 +139,49 @@ class Scheduler:
         return None
 
     def schedule(self) -> ScheduledBatch:
+        plan, self._plan = self._plan, None
+        batch = self._schedule_steady_decode(plan) if plan else None
+        return batch if batch is not None else self._schedule()
+
+    def _schedule_steady_decode(self, plan: _DecodePlan) -> ScheduledBatch | None:
+        """The previous step's decodes one position further on, when nothing changed since then and nothing else
+        can join the step; None when that does not hold (or a sequence would need a preemption to grow)."""
+        seqs = plan.seqs
+        # Every sequence of the plan is in the same state: 0 pending samples (the previous step is postprocessed,
+        # the sync loop) or 1 (the previous step is in flight, the async loop).
+        in_flight = seqs[0].num_pending_tokens
+        if (plan.running_version != self._running_version or in_flight > 1
+                or len(seqs) > self.max_num_batched_tokens
+                or (self.waiting and len(self.running) < self.max_num_seqs)):
+            return None
+        starts = plan.starts + 1
+        if (starts + 1 >= plan.max_lens).any():
+            return None  # a sequence's last token is in flight: it computes nothing more
+        growing = np.flatnonzero(starts >= plan.capacities)
+        if len(growing) > self.block_manager.num_free_blocks:
+            return None
+        batch = ScheduledBatch()
+        for i in growing.tolist():  # each needs one more block, for the token at its new start
+            seq = seqs[i]
+            self.block_manager.grow(seq, int(starts[i]) + 1)
+            batch.table_changed.append(seq)
+        plan.capacities[growing] += self.block_manager.block_size
+        for seq in seqs:
+            seq.num_inflight_tokens += 1
+            seq.num_pending_tokens += 1
+        if in_flight:  # every input is the sample of the step in flight, in the same order
+            input_ids, sources = [0] * len(seqs), plan.in_flight_sources
+        else:
+            input_ids, sources = [seq.token_ids[-1] for seq in seqs], [-1] * len(seqs)
+        batch.add_decodes(seqs, starts, input_ids, sources, plan.epochs)
+        plan.starts = starts
+        self._plan = plan
+        return batch
+
+    def _schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
+        running_version = self._running_version
         preemptions_before = self.num_preemptions
         block_size = self.block_manager.block_size
         # The hot loop of every step, kept lean: a decode (one token that samples, past the prompt) is noted in
@@ -180,6 +240,7 @@ class Scheduler:
             if self.block_manager.num_blocks_to_admit(seq, hits, num_new) > self.block_manager.num_free_blocks:
                 break
             self.waiting.popleft()
+            self._running_version += 1
             self.block_manager.admit(seq, hits)
             self.block_manager.grow(seq, seq.num_cached_tokens + num_new)
             batch.table_changed.append(seq)
@@ -187,6 +248,12 @@ class Scheduler:
             self.running.append(seq)
             batch.add(seq, num_new, seq.num_cached_tokens, seq.num_tokens)
             budget -= num_new
+        if num_decodes and num_decodes == len(batch) == len(self.running) and self._running_version == running_version:
+            self._plan = _DecodePlan(  # every running sequence decodes: the next step may be this one, advanced
+                decodes, batch.epochs, np.array(starts, dtype=np.int64),
+                np.array([seq.max_len for seq in decodes], dtype=np.int64),
+                np.array([len(seq.block_table) for seq in decodes], dtype=np.int64) * block_size,
+                running_version, list(range(len(decodes))))
         return batch
 
     def _make_room(self, seq: Sequence, num_tokens: int) -> bool:
@@ -206,6 +273,7 @@ class Scheduler:
         In-flight steps may still write into the freed blocks; they run before any later step on the device, and
         their results for `seq` are dropped (new epoch), so nothing they write is committed or hashed."""
         self.block_manager.free(seq)
+        self._running_version += 1
         seq.status = SequenceStatus.WAITING
         seq.num_inflight_tokens = 0
         seq.num_pending_tokens = 0
@@ -250,6 +318,7 @@ class Scheduler:
         seq.finish_reason = reason
         self.block_manager.free(seq)
         self.running.remove(seq)
+        self._running_version += 1
         self.finished.append(seq)
 
     def take_finished(self) -> list[Sequence]:

@@ -3,10 +3,10 @@
 `StepBuffers` lays every per-step array out at a fixed offset of one byte buffer that exists twice: in pinned
 host memory (double-buffered, so the host fills one while the other's copy may still be queued) and on the
 device. A step is one memcpy; the device views have fixed addresses, which is what CUDA graphs capture.
-`SequenceRows` gives each running sequence a row that it keeps while it runs: its block table (mirrored on the
-host and on the device, so a step sends only the entries added since the sequence's previous step) and the
-settings that do not change while it runs (sampling, prompt length), so a step gathers them by row instead of
-rebuilding them from Python objects.
+`SequenceRows` (rank 0's host side) gives each running sequence a row that it keeps while it runs: its block table
+and the settings that do not change while it runs (sampling, prompt length), so a step gathers them by row instead
+of rebuilding them from Python objects. `DeviceBlockTables` (every rank) mirrors the tables on the device; a step
+carries only the entries added since the previous step.
 """
 from __future__ import annotations
 
@@ -45,10 +45,14 @@ class StepBuffers:
         self._device_bytes = (self._host_bytes[0] if self.on_cpu
                               else torch.zeros(size, dtype=torch.uint8, device=device))
         if not self.on_cpu:
-            # Steps run on the stream current at construction. Events and stream are looked up once: torch's
-            # Python-side stream lookup costs tens of microseconds per call on a slow host.
+            # Steps run on the stream current at construction, looked up once: torch's Python-side stream lookup
+            # costs tens of microseconds per call on a slow host.
             self.stream = torch.cuda.current_stream(device)
-            self._copied = [torch.cuda.Event() for _ in self._host_bytes]  # each host buffer's last copy
+        # Uploads are numbered; `settle(n)` says that upload n and all before it have run on the device. A host
+        # buffer is refilled only once its last upload has settled (the step loop's waits normally see to it).
+        self.num_uploads = 0
+        self._settled = 0
+        self._last_upload = [0] * len(self._host_bytes)
         self._copy_views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.on_device = {name: self._view(self._device_bytes, name) for name in self.fields}
         self._hosts = [{name: self._view(b, name).numpy() for name in self.fields} for b in self._host_bytes]
@@ -62,24 +66,33 @@ class StepBuffers:
         return buffer[start:start + f.length * f.dtype.itemsize].view(f.dtype)
 
     def begin(self) -> dict[str, np.ndarray]:
-        """The host views to fill for the next step (waits, rarely, until their previous copy has run)."""
+        """The host views to fill for the next step. A step's results are awaited before the step after next is
+        prepared, which settles this buffer's last upload; otherwise this waits for the device to catch up."""
         self._current = (self._current + 1) % len(self._hosts)
-        if not self.on_cpu:
-            self._copied[self._current].synchronize()
+        if self._last_upload[self._current] > self._settled:
+            self.stream.synchronize()
+            self._settled = self.num_uploads
         return self._hosts[self._current]
 
     def upload(self, last_field_length: int) -> None:
-        """Queue the copy of the filled host buffer to the device on the current stream. The last field is
-        copied only in part (its first `last_field_length` elements): it is the one whose use varies most."""
+        """Queue the copy of the filled host buffer to the device on the stream; it becomes upload number
+        `num_uploads`. The last field is copied only in part (its first `last_field_length` elements): it is the
+        one whose use varies most."""
+        self.num_uploads += 1
         if self.on_cpu:
+            self._settled = self.num_uploads
             return
+        self._last_upload[self._current] = self.num_uploads
         size = self._last_offset + last_field_length * self._last_itemsize
         key = (self._current, size)
         views = self._copy_views.get(key)
         if views is None:
             views = self._copy_views[key] = (self._device_bytes[:size], self._host_bytes[self._current][:size])
         views[0].copy_(views[1], non_blocking=True)
-        self._copied[self._current].record(self.stream)
+
+    def settle(self, upload_number: int) -> None:
+        """Upload `upload_number` and every earlier one have run on the device (work queued after them has)."""
+        self._settled = max(self._settled, upload_number)
 
 
 @dataclass
@@ -90,29 +103,19 @@ class _Row:
 
 
 class SequenceRows:
-    """Per-sequence step state of running sequences, one row each (the last row is never assigned: graph padding
-    entries use it; its table is all zeros). A sequence's row is `seq.row` while it runs.
+    """Per-sequence step state of running sequences, one row each, on rank 0's host (the last row is never
+    assigned: graph padding entries use it; its table is all zeros). A sequence's row is `seq.row` while it runs.
 
     A row is (re)filled when its sequence is admitted (first time, or after a preemption: new epoch, new table,
     new prefix hits); a row whose sequence stopped running is reclaimed when rows run out. Between those, a
-    sequence's table only grows, and only the sequences whose table changed for a step are looked at, to send
-    their appended entries."""
+    sequence's table only grows, and only the sequences whose table changed for a step are looked at, to find
+    the entries the device tables lack."""
 
-    def __init__(self, max_rows: int, max_blocks_per_seq: int, vocab_size: int,
-                 staged_on_device: torch.Tensor | None = None):
-        """`staged_on_device`: where the entries that `sync` stages land on the device once the step's buffer is
-        uploaded (`apply` writes them into the device tables from there); None: the device is this host, and
-        its tables are the host tables."""
+    def __init__(self, max_rows: int, max_blocks_per_seq: int, vocab_size: int):
         rows = max_rows + 1
         self.padding_row = max_rows
         self.width = max_blocks_per_seq
         self.host_tables = np.zeros((rows, max_blocks_per_seq), dtype=np.int32)
-        self._staged_on_device = staged_on_device
-        self.device_tables = (torch.from_numpy(self.host_tables) if staged_on_device is None
-                              else torch.zeros(rows, max_blocks_per_seq, dtype=torch.int32,
-                                               device=staged_on_device.device))
-        self._flat_device_tables = self.device_tables.view(-1)
-        self._staged_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # by count: slicing is a torch call
         self.temperature = np.zeros(rows, dtype=np.float32)
         self.top_k = np.full(rows, vocab_size, dtype=np.int64)  # vocab size = no top-k
         self.top_p = np.ones(rows, dtype=np.float32)
@@ -124,10 +127,11 @@ class SequenceRows:
         self._rows: dict[int, _Row] = {}  # seq_id -> row
         self._free = list(range(max_rows - 1, -1, -1))
 
-    def sync(self, changed: list[Sequence], table_updates: np.ndarray) -> int:
-        """Bring the rows of `changed` (admitted, or whose table grew) up to date on the host; the device's
-        pending entries are written to `table_updates` (flat table indices, then the block ids, n each): n."""
-        flat_indices, blocks = [], []
+    def sync(self, changed: list[Sequence]) -> tuple[list[int], list[int]]:
+        """Bring the rows of `changed` (admitted, or whose table grew) up to date on the host. Returns the table
+        entries the device lacks: their flat indices (row * width + column) and their block ids."""
+        flat_indices: list[int] = []
+        blocks: list[int] = []
         width = self.width
         for seq in changed:
             entry = self._rows.get(seq.seq_id)
@@ -140,25 +144,9 @@ class SequenceRows:
                 flat_indices += range(base + synced, base + len(table))
                 blocks += table[synced:]
                 entry.num_synced = len(table)
-        count = len(blocks)
-        if count:
-            if 2 * count > len(table_updates):
-                raise RuntimeError(f"{count} block-table entries to send exceed the step buffer's room")
-            table_updates[:count] = flat_indices
-            table_updates[count:2 * count] = blocks
-            self.host_tables.reshape(-1)[table_updates[:count]] = table_updates[count:2 * count]
-        return count
-
-    def apply(self, count: int) -> None:
-        """Write the `count` entries that `sync` staged, now on the device, into the device tables (shared host
-        tables have them already)."""
-        if not count or self._staged_on_device is None:
-            return
-        views = self._staged_views.get(count)
-        if views is None:
-            staged = self._staged_on_device
-            views = self._staged_views[count] = (staged[:count], staged[count:2 * count])
-        self._flat_device_tables.index_put_(views[:1], views[1])
+        if blocks:
+            self.host_tables.reshape(-1)[flat_indices] = blocks
+        return flat_indices, blocks
 
     def _refill(self, seq: Sequence, entry: _Row | None) -> _Row:
         if entry is None:
@@ -185,3 +173,23 @@ class SequenceRows:
                 self._free.append(entry.seq.row)
         if not self._free:
             raise RuntimeError("more running sequences than rows")
+
+
+class DeviceBlockTables:
+    """Every rank's device copy of the block tables of `SequenceRows`: the same rows, plus a sink row at the end
+    that takes the padding entries of a fixed-size update (a CUDA graph applies a fixed number of entries)."""
+
+    def __init__(self, num_rows: int, width: int, device: torch.device):
+        self.tables = torch.zeros(num_rows + 1, width, dtype=torch.int32, device=device)
+        self.sink_index = num_rows * width  # flat index of the sink row's first entry
+        self._flat = self.tables.view(-1)
+
+    def apply(self, updates: torch.Tensor) -> None:
+        """Write `updates` ([2, n] int32: flat indices, then block ids) into the tables."""
+        self._flat.index_put_((updates[0],), updates[1])
+
+    def gather(self, rows: torch.Tensor, num_columns: int | None = None, out: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        """The tables of `rows`, cut to their first `num_columns` entries (all by default)."""
+        tables = self.tables if num_columns is None else self.tables[:, :num_columns]
+        return torch.index_select(tables, 0, rows, out=out)
