@@ -15,6 +15,9 @@ import json
 import pstats
 import statistics
 import time
+from types import SimpleNamespace
+
+import torch
 
 from nanovllm import LLM, SamplingParams
 
@@ -44,13 +47,14 @@ def main() -> None:
 
     phases: dict[str, list[float]] = {k: [] for k in ("schedule", "prepare", "execute", "wait", "postprocess")}
     profiler = cProfile.Profile() if args.profile else None
+    handle = loop.last_launched
     for _ in range(args.steps):
         t0 = time.perf_counter()
         if profiler:
             profiler.enable()
         batch = scheduler.schedule()
         t1 = time.perf_counter()
-        inputs = runner.prepare(batch)
+        inputs = runner.prepare(batch, handle)
         t2 = time.perf_counter()
         if profiler:
             profiler.disable()
@@ -58,6 +62,7 @@ def main() -> None:
         if args.skip_forward:
             t3 = t4 = time.perf_counter()
             tokens = [0] * len(batch)
+            handle = SimpleNamespace(sampled=torch.zeros(len(batch), dtype=torch.int64))
         else:
             handle = runner.execute(inputs)
             t3 = time.perf_counter()

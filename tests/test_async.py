@@ -1,5 +1,6 @@
 """The async loop reorders the same engine: greedy outputs must equal the sync loop's (DESIGN §6)."""
 import pytest
+import torch
 from helpers import make_seq
 from test_engine_hf import CHATS, ENGINE_VARIANTS, TINY_PROMPTS
 
@@ -146,37 +147,38 @@ def test_max_tokens_known_ahead_is_not_scheduled_again():
 def test_steady_decode_steps_equal_the_full_schedule(async_scheduling, num_kv_blocks, tiny_model_dirs,
                                                      monkeypatch):
     """The scheduler's shortcut for a step that is the previous one advanced (every running sequence decodes)
-    must build the very batch its full loop builds, including block growth, finishes and (few KV blocks)
-    preemptions; and it must serve most decode steps."""
+    must lead to the very steps its full loop builds: same sequences, positions and table growth, and the same
+    device inputs (the shortcut's input ids are copied on the device from the previous step's samples),
+    including finishes and (few KV blocks) preemptions; and it must serve most steps."""
     prompts = [list(range(3, 3 + n)) for n in (5, 17, 30, 9, 44, 23)]
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (100, 64, 120, 100, 64, 120)]
 
-    def batches(shortcut: bool) -> tuple[list[tuple], int]:
+    def steps(shortcut: bool) -> tuple[list[tuple], int]:
         llm = LLM(str(tiny_model_dirs["qwen3"]), async_scheduling=async_scheduling, max_model_len=256,
                   num_kv_blocks=num_kv_blocks)
-        scheduler, seen, served = llm.scheduler, [], []
-        full, steady = scheduler._schedule, scheduler._schedule_steady_decode
-
-        def record_full():
-            batch = full()
-            seen.append(batch)
-            return batch
+        scheduler, runner, seen, served = llm.scheduler, llm.runner, [], []
+        steady, prepare = scheduler._schedule_steady_decode, runner.prepare
 
         def record_steady(plan):
             batch = steady(plan) if shortcut else None
-            if batch is not None:
-                seen.append(batch)
-                served.append(batch)
+            served.append(batch is not None)
             return batch
 
-        monkeypatch.setattr(scheduler, "_schedule", record_full)
+        def record_prepare(batch, previous=None):
+            inputs = prepare(batch, previous)
+            tensors = [value.tolist() for value in (*vars(inputs).values(), *vars(inputs.sampling).values())
+                       if isinstance(value, torch.Tensor)]
+            seen.append(([s.seq_id for s in batch.seqs], list(batch.start_positions), batch.num_new_tokens,
+                         [s.seq_id for s in batch.table_changed], batch.epochs, tensors))
+            return inputs
+
         monkeypatch.setattr(scheduler, "_schedule_steady_decode", record_steady)
+        monkeypatch.setattr(runner, "prepare", record_prepare)
         llm.generate(prompts, params)
         assert (llm.get_stats()["preemptions"] > 0) == (num_kv_blocks < 46)  # 46 blocks hold every sequence
-        return [([s.seq_id for s in b.seqs], list(b.start_positions), b.input_ids, b.num_new_tokens,
-                 b.placeholder_sources, [s.seq_id for s in b.table_changed], b.epochs) for b in seen], len(served)
+        return seen, sum(served)
 
-    with_shortcut, served = batches(True)
-    without, _ = batches(False)
+    with_shortcut, served = steps(True)
+    without, _ = steps(False)
     assert with_shortcut == without
     assert served > len(without) / 2

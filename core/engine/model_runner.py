@@ -218,8 +218,9 @@ class ModelRunner:
         ]
 
     def prepare(self, batch: ScheduledBatch, previous: StepHandle | None = None) -> StepInputs:
-        """Device inputs for `batch`. A position past a sequence's known tokens is the token that the previous
-        (still running) step samples for it: its id is gathered on the device from that step's output.
+        """Device inputs for `batch`. An input that `previous` (the step launched before, which may still be
+        running) samples is gathered on the device from that step's output: a position past a sequence's known
+        tokens, or every input of a batch that is `previous` one position further on.
 
         Per sequence, only the row lookup is Python work; everything else is vectorised over the batch from the
         sequences' rows (block tables, sampling settings) and the batch's own lists."""
@@ -267,7 +268,10 @@ class ModelRunner:
         np.add(self.rows.host_tables[token_rows, positions // block_size] * block_size, positions % block_size,
                out=slots)
         slots[positions < self.rows.num_shared_kv_tokens[token_rows]] = -1  # complete shared blocks: no write
-        host["input_ids"][:num_tokens] = input_ids
+        copy_previous_samples = batch.inputs_are_previous_samples
+        num_placeholders = 0 if copy_previous_samples else batch.num_placeholders
+        if not copy_previous_samples:
+            host["input_ids"][:num_tokens] = input_ids
         host["positions"][:num_tokens] = positions
         host["seq_lens"][:num_seqs] = ends
         np.subtract(query_start[1:], 1, out=host["logits_indices"][:num_seqs])
@@ -278,7 +282,6 @@ class ModelRunner:
             host["slot_mapping"][pad] = -1
             host["query_start_loc"][num_seqs + 1:padded_seqs + 1] = self._arange[num_tokens + 1:padded_seqs + 1]
             host["seq_lens"][pad] = 1
-        num_placeholders = batch.num_placeholders
         if num_placeholders:
             sources = np.array(batch.placeholder_sources, dtype=np.int64)
             placeholders = np.flatnonzero(sources >= 0)
@@ -300,8 +303,10 @@ class ModelRunner:
 
         max_seq_len = int(ends.max())
         views = self._device_views(padded_seqs if graph_size else num_tokens, padded_seqs, num_seqs)
-        if num_placeholders:
-            placeholder_rows, placeholder_sources = self._placeholder_views(num_placeholders)
+        if copy_previous_samples:
+            self._placeholder_views(num_seqs)[0].copy_(previous.sampled)
+        elif num_placeholders:
+            placeholder_rows, placeholder_sources = self._placeholder_views(num_placeholders)[1:]
             views.input_ids.index_put_((placeholder_rows,), previous.sampled.index_select(0, placeholder_sources))
         sampling = SamplingTensors(
             temperatures=views.temperatures, top_k=views.top_k, top_p=views.top_p, min_p=views.min_p,
@@ -325,9 +330,10 @@ class ModelRunner:
         return _DeviceViews(**per_row, **per_seq, query_start_loc=device["query_start_loc"][:padded_seqs + 1],
                             seq_lens=device["seq_lens"][:padded_seqs], rows=device["rows"][:padded_seqs])
 
-    def _slice_placeholder_views(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _slice_placeholder_views(self, count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The first `count` input ids, placeholder rows and placeholder sources."""
         device = self.buffers.on_device
-        return device["placeholder_rows"][:count], device["placeholder_sources"][:count]
+        return device["input_ids"][:count], device["placeholder_rows"][:count], device["placeholder_sources"][:count]
 
     def _slice_table_update_views(self, count: int) -> torch.Tensor:
         return self.buffers.on_device["table_updates"][:2 * count].view(2, count)

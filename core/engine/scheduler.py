@@ -19,7 +19,9 @@ class ScheduledBatch:
     step still in flight, whose sample is this chunk's last input token (-1 when all its inputs are known).
     `epochs` identify the sequences' state at scheduling time: a sequence preempted since then has another epoch
     and this step's results for it are void. `table_changed`: the sequences whose block table is new or grew for
-    this step (the runner sends only their tables to the device)."""
+    this step (the runner sends only their tables to the device). `inputs_are_previous_samples`: the batch is the
+    previous step's, one position further on, and every input is that step's sample of the same row (whether
+    the host knows it yet or not): the runner copies them on the device; `input_ids` holds zeros."""
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
@@ -31,6 +33,7 @@ class ScheduledBatch:
     num_prefill_tokens: int = 0  # tokens of prompt chunks (the rest are decode tokens)
     input_ids: list[int] = field(default_factory=list)
     table_changed: list[Sequence] = field(default_factory=list)
+    inputs_are_previous_samples: bool = False
 
     def add(self, seq: Sequence, num_new_tokens: int, start: int, num_effective_tokens: int) -> None:
         """Compute `num_new_tokens` of `seq` from position `start` (its scheduled = committed + in-flight count)."""
@@ -92,7 +95,8 @@ class _DecodePlan:
     max_lens: np.ndarray
     capacities: np.ndarray  # tokens each block table holds
     running_version: int  # the running set it was made for
-    in_flight_sources: list[int]  # range(len(seqs)): where each one's in-flight sample is, in the previous step
+    previous_rows: list[int]  # range(len(seqs)): each one's row in the previous step
+    zeros: list[int]  # [0] * len(seqs)
 
 
 class Scheduler:
@@ -148,9 +152,9 @@ class Scheduler:
         can join the step; None when that does not hold (or a sequence would need a preemption to grow)."""
         seqs = plan.seqs
         # Every sequence of the plan is in the same state: 0 pending samples (the previous step is postprocessed,
-        # the sync loop) or 1 (the previous step is in flight, the async loop).
-        in_flight = seqs[0].num_pending_tokens
-        if (plan.running_version != self._running_version or in_flight > 1
+        # the sync loop) or 1 (the previous step is in flight, the async loop); either way each one's input is
+        # its sample of the previous step.
+        if (plan.running_version != self._running_version or seqs[0].num_pending_tokens > 1
                 or len(seqs) > self.max_num_batched_tokens
                 or (self.waiting and len(self.running) < self.max_num_seqs)):
             return None
@@ -169,11 +173,8 @@ class Scheduler:
         for seq in seqs:
             seq.num_inflight_tokens += 1
             seq.num_pending_tokens += 1
-        if in_flight:  # every input is the sample of the step in flight, in the same order
-            input_ids, sources = [0] * len(seqs), plan.in_flight_sources
-        else:
-            input_ids, sources = [seq.token_ids[-1] for seq in seqs], [-1] * len(seqs)
-        batch.add_decodes(seqs, starts, input_ids, sources, plan.epochs)
+        batch.add_decodes(seqs, starts, plan.zeros, plan.previous_rows, plan.epochs)
+        batch.inputs_are_previous_samples = True
         plan.starts = starts
         self._plan = plan
         return batch
@@ -253,7 +254,7 @@ class Scheduler:
                 decodes, batch.epochs, np.array(starts, dtype=np.int64),
                 np.array([seq.max_len for seq in decodes], dtype=np.int64),
                 np.array([len(seq.block_table) for seq in decodes], dtype=np.int64) * block_size,
-                running_version, list(range(len(decodes))))
+                running_version, list(range(num_decodes)), [0] * num_decodes)
         return batch
 
     def _make_room(self, seq: Sequence, num_tokens: int) -> bool:

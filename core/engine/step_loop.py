@@ -37,6 +37,7 @@ class StepLoop:
         self.overlap = overlap
         self.on_tokens = on_tokens  # stop-string checks of sequences that just got a token
         self.in_flight: LaunchedStep | None = None
+        self.last_launched: StepHandle | None = None  # its samples may be the next step's inputs, on the device
 
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished() or self.in_flight is not None
@@ -45,7 +46,9 @@ class StepLoop:
         """One iteration; returns the sequences that finished in it. The last in-flight step drains on the
         iteration after the scheduler runs dry."""
         started = time.perf_counter()
-        launched = self._launch(self.in_flight.handle if self.in_flight else None)
+        launched = self._launch(self.last_launched)
+        if launched:
+            self.last_launched = launched.handle
         if self.overlap:
             done, self.in_flight = self.in_flight, launched
         else:
