@@ -86,8 +86,9 @@ class ScheduledBatch:
 
 @dataclass
 class _DecodePlan:
-    """The previous step when it was all of the running sequences decoding one token each (nothing else): the
-    next step, if nothing changed in between, is the same batch one position further on. Arrays follow `seqs`."""
+    """The previous step when it was only decodes, of every running sequence that had a token to compute: the
+    next step, unless a sequence joined or was preempted since, is that batch one position further on, less the
+    sequences that finished or whose last token is now in flight. Arrays and lists follow `seqs`."""
 
     seqs: list[Sequence]
     epochs: list[int]
@@ -95,8 +96,14 @@ class _DecodePlan:
     max_lens: np.ndarray
     capacities: np.ndarray  # tokens each block table holds
     running_version: int  # the running set it was made for
-    previous_rows: list[int]  # range(len(seqs)): each one's row in the previous step
+    num_finished: int  # the scheduler's finish count when it was made
     zeros: list[int]  # [0] * len(seqs)
+
+    def subset(self, rows: np.ndarray) -> _DecodePlan:
+        kept = rows.tolist()
+        return _DecodePlan([self.seqs[i] for i in kept], [self.epochs[i] for i in kept], self.starts[rows],
+                           self.max_lens[rows], self.capacities[rows], self.running_version, self.num_finished,
+                           self.zeros[:len(kept)])
 
 
 class Scheduler:
@@ -117,7 +124,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.finished: list[Sequence] = []  # finished since the last take_finished()
         # A steady decode step (see _DecodePlan) is scheduled without a Python loop over the running sequences.
-        self._running_version = 0  # changes whenever a sequence joins or leaves `running`
+        self._running_version = 0  # changes whenever a sequence joins `running` or is preempted
+        self._num_finished = 0
         self._plan: _DecodePlan | None = None  # set by the previous schedule() only
 
     def add(self, seq: Sequence) -> None:
@@ -148,19 +156,28 @@ class Scheduler:
         return batch if batch is not None else self._schedule()
 
     def _schedule_steady_decode(self, plan: _DecodePlan) -> ScheduledBatch | None:
-        """The previous step's decodes one position further on, when nothing changed since then and nothing else
-        can join the step; None when that does not hold (or a sequence would need a preemption to grow)."""
-        seqs = plan.seqs
+        """The previous step's decodes one position further on (see _DecodePlan), when nothing else can join the
+        step; None when that does not hold, or a sequence would need a preemption to grow."""
         # Every sequence of the plan is in the same state: 0 pending samples (the previous step is postprocessed,
         # the sync loop) or 1 (the previous step is in flight, the async loop); either way each one's input is
         # its sample of the previous step.
-        if (plan.running_version != self._running_version or seqs[0].num_pending_tokens > 1
-                or len(seqs) > self.max_num_batched_tokens
+        if (plan.running_version != self._running_version or plan.seqs[0].num_pending_tokens > 1
+                or len(plan.seqs) > self.max_num_batched_tokens
                 or (self.waiting and len(self.running) < self.max_num_seqs)):
             return None
         starts = plan.starts + 1
-        if (starts + 1 >= plan.max_lens).any():
-            return None  # a sequence's last token is in flight: it computes nothing more
+        computing = starts + 1 < plan.max_lens  # the others' last token is in flight: they compute nothing more
+        if plan.num_finished != self._num_finished:
+            running = SequenceStatus.RUNNING
+            computing &= np.fromiter([seq.status is running for seq in plan.seqs], bool, len(plan.seqs))
+        same_rows = bool(computing.all())
+        if not same_rows:
+            previous_rows = np.flatnonzero(computing)
+            if not len(previous_rows):
+                return None
+            plan, starts = plan.subset(previous_rows), starts[previous_rows]
+        plan.num_finished = self._num_finished
+        seqs = plan.seqs
         growing = np.flatnonzero(starts >= plan.capacities)
         if len(growing) > self.block_manager.num_free_blocks:
             return None
@@ -173,8 +190,13 @@ class Scheduler:
         for seq in seqs:
             seq.num_inflight_tokens += 1
             seq.num_pending_tokens += 1
-        batch.add_decodes(seqs, starts, plan.zeros, plan.previous_rows, plan.epochs)
-        batch.inputs_are_previous_samples = True
+        if same_rows:  # row i's input is the previous step's sample of row i: one copy on the device
+            batch.add_decodes(seqs, starts, plan.zeros, list(range(len(seqs))), plan.epochs)
+            batch.inputs_are_previous_samples = True
+        else:
+            for row, seq in enumerate(seqs):
+                seq.last_sample_index = row
+            batch.add_decodes(seqs, starts, plan.zeros, previous_rows.tolist(), plan.epochs)
         plan.starts = starts
         self._plan = plan
         return batch
@@ -194,7 +216,7 @@ class Scheduler:
         input_ids: list[int] = []
         sources: list[int] = []
         chunks: list[tuple[Sequence, int, int, int]] = []
-        num_decodes = 0
+        num_decodes = num_done = 0
         for seq in self.running:
             if budget <= 0:
                 break
@@ -202,6 +224,7 @@ class Scheduler:
             num_known = len(token_ids)
             effective = num_known + seq.num_pending_tokens
             if effective >= seq.max_len:
+                num_done += 1
                 continue  # its last token is already in flight: nothing more to compute
             start = seq.num_cached_tokens + seq.num_inflight_tokens
             num_new = effective - start
@@ -249,12 +272,13 @@ class Scheduler:
             self.running.append(seq)
             batch.add(seq, num_new, seq.num_cached_tokens, seq.num_tokens)
             budget -= num_new
-        if num_decodes and num_decodes == len(batch) == len(self.running) and self._running_version == running_version:
-            self._plan = _DecodePlan(  # every running sequence decodes: the next step may be this one, advanced
+        if (num_decodes and num_decodes == len(batch) and num_decodes + num_done == len(self.running)
+                and self._running_version == running_version):
+            self._plan = _DecodePlan(  # only decodes, of all that compute: the next step may be this one, advanced
                 decodes, batch.epochs, np.array(starts, dtype=np.int64),
                 np.array([seq.max_len for seq in decodes], dtype=np.int64),
                 np.array([len(seq.block_table) for seq in decodes], dtype=np.int64) * block_size,
-                running_version, list(range(num_decodes)), [0] * num_decodes)
+                running_version, self._num_finished, [0] * num_decodes)
         return batch
 
     def _make_room(self, seq: Sequence, num_tokens: int) -> bool:
@@ -319,7 +343,7 @@ class Scheduler:
         seq.finish_reason = reason
         self.block_manager.free(seq)
         self.running.remove(seq)
-        self._running_version += 1
+        self._num_finished += 1
         self.finished.append(seq)
 
     def take_finished(self) -> list[Sequence]:
