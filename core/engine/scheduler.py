@@ -161,7 +161,8 @@ class Scheduler:
         # Every sequence of the plan is in the same state: 0 pending samples (the previous step is postprocessed,
         # the sync loop) or 1 (the previous step is in flight, the async loop); either way each one's input is
         # its sample of the previous step.
-        if (plan.running_version != self._running_version or plan.seqs[0].num_pending_tokens > 1
+        in_flight = plan.seqs[0].num_pending_tokens
+        if (plan.running_version != self._running_version or in_flight > 1
                 or len(plan.seqs) > self.max_num_batched_tokens
                 or (self.waiting and len(self.running) < self.max_num_seqs)):
             return None
@@ -196,7 +197,10 @@ class Scheduler:
         else:
             for row, seq in enumerate(seqs):
                 seq.last_sample_index = row
-            batch.add_decodes(seqs, starts, plan.zeros, previous_rows.tolist(), plan.epochs)
+            if in_flight:  # gathered on the device from the rows they had in the previous step
+                batch.add_decodes(seqs, starts, plan.zeros, previous_rows.tolist(), plan.epochs)
+            else:
+                batch.add_decodes(seqs, starts, [seq.token_ids[-1] for seq in seqs], [-1] * len(seqs), plan.epochs)
         plan.starts = starts
         self._plan = plan
         return batch
