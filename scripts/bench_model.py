@@ -10,7 +10,6 @@ both with the fused small-op kernels (the default) and without them (`fused_ops=
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import json
 
@@ -76,18 +75,23 @@ def measure(model_name: str, engine_args: dict, ceilings, profile: bool) -> dict
 
     batch, context = 256, 1024
     ids, positions, meta = batch_meta(llm, batch, context, 1)
+    size = runner.graphs.batch_size_for(batch)
+    assert size == batch, "the decode batch must be a captured graph size (no padding rows)"
+    # The graph's inputs, in the buffers it captured: the sequences' tables in rows 0..batch-1 of the device
+    # tables, and table updates that all write the sink row.
     buffers = runner.buffers.on_device
     buffers["input_ids"][:batch] = ids
     buffers["positions"][:batch] = positions
     buffers["slot_mapping"][:batch] = meta.slot_mapping
     buffers["seq_lens"][:batch] = meta.seq_lens
-    runner.graphs.block_tables[:batch, :meta.block_tables.shape[1]] = meta.block_tables
-    size = runner.graphs.batch_size_for(batch)
-    captured = dataclasses.replace(meta, slot_mapping=buffers["slot_mapping"][:size],
-                                   seq_lens=buffers["seq_lens"][:size], block_tables=runner.graphs.block_tables[:size])
+    buffers["rows"][:batch] = torch.arange(batch, device=ids.device)
+    runner.tables.tables[:batch, :meta.block_tables.shape[1]] = meta.block_tables
+    updates = buffers["table_updates"][:2 * size].view(2, size)
+    updates[0].fill_(runner.tables.sink_index)
+    updates[1].zero_()
 
     def decode():
-        return runner.graphs.replay(size, buffers["input_ids"][:size], buffers["positions"][:size], captured)
+        return runner.graphs.replay(size)
 
     decode_ms = median_cuda_ms(decode, repeats=20)
     bytes_read = batch * context * costs.kv_bytes_per_token + costs.weight_bytes_per_step

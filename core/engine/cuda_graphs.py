@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from nanovllm.attention import AttentionMetadata
 from nanovllm.engine.step_buffers import DeviceBlockTables
+
+if TYPE_CHECKING:
+    from nanovllm.engine.model_runner import StepInputs
 
 
 def batch_size_ladder(max_batch_size: int) -> list[int]:
@@ -67,11 +71,12 @@ class DecodeGraphs:
         index = bisect.bisect_left(self.sizes, num_seqs)
         return self.sizes[index] if index < len(self.sizes) else None
 
-    def replay(self, size: int, inputs) -> torch.Tensor:
-        """Run the graph of `size` on these StepInputs. The runner prepares them in the captured buffers already;
-        a tensor-parallel worker receives them elsewhere and they are copied in."""
+    def replay(self, size: int, inputs: StepInputs | None = None) -> torch.Tensor:
+        """Run the graph of `size` on these StepInputs (None: on what the captured buffers hold). The runner
+        prepares them in the captured buffers already; a tensor-parallel worker receives them elsewhere and they
+        are copied in."""
         graph, captured, logits = self.graphs[size]
-        if inputs.input_ids.data_ptr() != captured[0].data_ptr():  # all inputs are in place, or none (a worker's)
+        if inputs is not None and inputs.input_ids.data_ptr() != captured[0].data_ptr():  # all in place, or none
             for source, target in zip((inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.seq_lens,
                                        inputs.rows, inputs.table_updates), captured):
                 target.copy_(source)
