@@ -46,6 +46,7 @@ class _DeviceViews:
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
     rows: torch.Tensor
+    decode_input_ids: torch.Tensor  # one per sequence, padding excluded: where a steady decode's inputs go
     logits_indices: torch.Tensor
     temperatures: torch.Tensor
     top_k: torch.Tensor
@@ -304,9 +305,9 @@ class ModelRunner:
         max_seq_len = int(ends.max())
         views = self._device_views(padded_seqs if graph_size else num_tokens, padded_seqs, num_seqs)
         if copy_previous_samples:
-            self._placeholder_views(num_seqs)[0].copy_(previous.sampled)
+            views.decode_input_ids.copy_(previous.sampled)
         elif num_placeholders:
-            placeholder_rows, placeholder_sources = self._placeholder_views(num_placeholders)[1:]
+            placeholder_rows, placeholder_sources = self._placeholder_views(num_placeholders)
             views.input_ids.index_put_((placeholder_rows,), previous.sampled.index_select(0, placeholder_sources))
         sampling = SamplingTensors(
             temperatures=views.temperatures, top_k=views.top_k, top_p=views.top_p, min_p=views.min_p,
@@ -328,12 +329,12 @@ class ModelRunner:
         per_seq = {name: device[name][:num_seqs] for name in ("logits_indices", "temperatures", "top_k", "top_p",
                                                               "min_p", "seeds", "sample_positions")}
         return _DeviceViews(**per_row, **per_seq, query_start_loc=device["query_start_loc"][:padded_seqs + 1],
-                            seq_lens=device["seq_lens"][:padded_seqs], rows=device["rows"][:padded_seqs])
+                            seq_lens=device["seq_lens"][:padded_seqs], rows=device["rows"][:padded_seqs],
+                            decode_input_ids=device["input_ids"][:num_seqs])
 
-    def _slice_placeholder_views(self, count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The first `count` input ids, placeholder rows and placeholder sources."""
+    def _slice_placeholder_views(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         device = self.buffers.on_device
-        return device["input_ids"][:count], device["placeholder_rows"][:count], device["placeholder_sources"][:count]
+        return device["placeholder_rows"][:count], device["placeholder_sources"][:count]
 
     def _slice_table_update_views(self, count: int) -> torch.Tensor:
         return self.buffers.on_device["table_updates"][:2 * count].view(2, count)
