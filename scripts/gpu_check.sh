@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device run: install in place, GPU tests, kernel/model microbenchmarks, end-to-end benchmarks.
-# Everything lands under $OUT (logs + JSON). Stages: tests, kernels, model, host, bench, peers (default: all).
+# Everything lands under $OUT (logs + JSON). Stages: tests, kernels, model, host, bench, peers (default: all);
+# tp (two GPUs: the TP=2 GPU test, then bench at TP=1 and TP=2) is only run when named.
 set -uo pipefail
 OUT=${OUT:-/tmp/nanovllm-gpu}
 mkdir -p "$OUT"
@@ -21,6 +22,12 @@ for stage in $STAGES; do
                > "$OUT/bench_host.jsonl" 2>"$OUT/bench_host.err"; rc=$? ;;
     bench)   nanovllm bench --model qwen3-0.6b --load-format dummy --compare --json \
                > "$OUT/bench_compare.json" 2>"$OUT/bench_compare.err"; rc=$? ;;
+    tp)      python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_engine.py -k tp2 \
+               2>&1 | tee "$OUT/gpu_tp_tests.log" | tail -15; rc=${PIPESTATUS[0]}
+             for size in 1 2; do
+               nanovllm bench --model qwen3-0.6b --load-format dummy --compare --json --tensor-parallel-size $size \
+                 > "$OUT/bench_tp$size.json" 2>"$OUT/bench_tp$size.err" || rc=1
+             done ;;
     peers)   python3 scripts/bench_peers.py --model qwen3-0.6b --output-len 512 \
                > "$OUT/bench_peers.json" 2>"$OUT/bench_peers.err"; rc=$? ;;
     *) echo "unknown stage $stage"; exit 2 ;;

@@ -3,9 +3,10 @@ import json
 
 from typer.testing import CliRunner
 
+from nanovllm import LLM
 from nanovllm_cli.bench import synthetic_workload
 from nanovllm_cli.main import app
-from nanovllm_cli.roofline import DeviceCeilings, ModelCosts, roofline_seconds
+from nanovllm_cli.roofline import DeviceCeilings, ModelCosts, model_costs, roofline_seconds
 
 MODE_KEYS = {"requests", "prompt_tokens", "output_tokens", "wall_s", "output_tok_s", "total_tok_s", "steps",
              "gpu_busy_s", "gpu_busy_frac", "cpu_schedule_s", "cpu_prepare_s", "cpu_postprocess_s", "ttft_p50_s",
@@ -58,3 +59,19 @@ def test_roofline_by_hand():
     ceilings = DeviceCeilings("test", copy_bytes_per_s=1e4, matmul_flops_per_s=1e2)
     expected = (9 * 100 + 4 * 1000) / 1e4 + (4 * 10 + 7 * 2) / 1e2
     assert abs(roofline_seconds(costs, [3, 1], [2, 3], 1, ceilings) - expected) < 1e-12
+
+
+def test_model_costs_are_one_ranks_share_under_tensor_parallelism():
+    """TP=2: each rank reads half the KV heads and does half the attention and matmul work (tiny-qwen3's vocab
+    and MLP split evenly); its weight read is half the model's plus the norms, which every rank holds whole."""
+    engine = {"load_format": "dummy", "max_model_len": 128, "cpu_kv_cache_bytes": 1 << 20}
+    single = LLM("tiny-qwen3", **engine)
+    whole = model_costs(single.hf_config, single.runner.model, single.runner.dtype)
+    norm_bytes = sum(p.numel() * p.element_size() for name, p in single.runner.model.named_parameters()
+                     if "norm" in name)
+    with LLM("tiny-qwen3", tensor_parallel_size=2, **engine) as llm:
+        share = model_costs(llm.hf_config, llm.runner.model, llm.runner.dtype)
+    assert 2 * share.kv_bytes_per_token == whole.kv_bytes_per_token
+    assert 2 * share.attention_flops_per_pair == whole.attention_flops_per_pair
+    assert 2 * share.flops_per_token == whole.flops_per_token
+    assert 2 * share.weight_bytes_per_step == whole.weight_bytes_per_step + norm_bytes

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing
 import torch.nn.functional as F
+from helpers import process_alive
 from test_engine_hf import CHATS, TINY_PROMPTS
 
 from nanovllm import LLM, SamplingParams
@@ -32,14 +33,6 @@ from nanovllm.loaders import resolve_model
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 # A 32-token budget chunks the long prompts; the shared 48-token prefix of TINY_PROMPTS hits the prefix cache.
 TINY_ENGINE = {"max_model_len": 256, "num_kv_blocks": 128, "max_num_batched_tokens": 32}
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 # ---- sharded layers against unsharded math, in real gloo groups ------------------------------------------------
@@ -133,7 +126,7 @@ def test_tp2_equals_tp1_tiny_qwen3(async_scheduling, tiny_model_dirs, tiny_tp1):
         pids = llm.workers.pids
     assert [o.token_ids for o in first] == [o.token_ids for o in second] == tiny_tp1
     assert second[2].num_cached_tokens == 64
-    assert not any(_alive(pid) for pid in pids) and not dist.is_initialized()
+    assert not any(process_alive(pid) for pid in pids) and not dist.is_initialized()
 
 
 def test_tp2_dummy_weights_equal_tp1():
@@ -224,7 +217,7 @@ def test_killed_worker_ends_the_job_with_a_clear_error_and_no_orphans():
         llm.generate([[1, 2, 3]] * 4, SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True))
     killer.join()
     assert time.monotonic() - started < 1.0 + 5.0
-    assert not any(_alive(pid) for pid in pids) and not dist.is_initialized()
+    assert not any(process_alive(pid) for pid in pids) and not dist.is_initialized()
     with pytest.raises(TPWorkerError, match="the tensor-parallel engine is stopped"):
         llm.generate([[1, 2, 3]], GREEDY)
     llm.exit()  # nothing left to stop
@@ -256,7 +249,7 @@ def test_worker_exception_reaches_the_caller_with_its_traceback(tmp_path, monkey
     with pytest.raises(TPWorkerError, match=r"(?s)rank 1 \(pid \d+\) raised:\nTraceback.*"
                                             r"RuntimeError: injected fault in the third step"):
         llm.generate([[1, 2, 3]], GREEDY)
-    assert not any(_alive(pid) for pid in pids) and not dist.is_initialized()
+    assert not any(process_alive(pid) for pid in pids) and not dist.is_initialized()
 
 
 _LIFE_CYCLE_SCRIPT = """
@@ -299,9 +292,9 @@ def test_every_ending_of_rank0_stops_the_workers(ending, tmp_path):
     if ending == "ctrl-c":
         assert "KeyboardInterrupt" in stderr
     deadline = time.monotonic() + 5.0
-    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+    while any(process_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(_alive(pid) for pid in pids)
+    assert not any(process_alive(pid) for pid in pids)
 
 
 # ---- impossible splits -----------------------------------------------------------------------------------------
