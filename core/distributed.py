@@ -4,6 +4,7 @@ One group per process: NCCL when the ranks run on CUDA devices, gloo on the CPU;
 step broadcast use the same calls on both."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -23,6 +24,7 @@ class _Group:
 
 
 _group: _Group | None = None
+_before_destroy: list[Callable[[], None]] = []
 
 
 def init_tp_group(rank: int, size: int, store: dist.Store, device: torch.device) -> None:
@@ -33,15 +35,25 @@ def init_tp_group(rank: int, size: int, store: dist.Store, device: torch.device)
     _group = _Group(rank, size, device)
 
 
+def before_tp_group_destroyed(release: Callable[[], None]) -> None:
+    """Call `release` when the group is left in an orderly way. CUDA graphs that captured collectives must go
+    first: NCCL counts those collectives as outstanding while the graph lives, and its teardown waits for them."""
+    _before_destroy.append(release)
+
+
 def destroy_tp_group(abort: bool = False) -> None:
     """Leave the group. `abort` after a peer failed: pending collectives are cancelled instead of awaited."""
     global _group
     if _group is None:
         return
     _group = None
+    releases = _before_destroy[:]
+    _before_destroy.clear()
     if abort:  # NCCL: unblocks the device work stuck in collectives with a dead peer
         dist.distributed_c10d._abort_process_group()
     else:
+        for release in releases:
+            release()
         dist.destroy_process_group()
 
 

@@ -22,7 +22,7 @@ for stage in $STAGES; do
                > "$OUT/bench_host.jsonl" 2>"$OUT/bench_host.err"; rc=$? ;;
     bench)   nanovllm bench --model qwen3-0.6b --load-format dummy --compare --json \
                > "$OUT/bench_compare.json" 2>"$OUT/bench_compare.err"; rc=$? ;;
-    tp)      python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_engine.py -k tp2 \
+    tp)      python3 -m pytest -q -m gpu -p no:cacheprovider -o faulthandler_timeout=240 tests/test_gpu_engine.py -k tp2 \
                2>&1 | tee "$OUT/gpu_tp_tests.log" | tail -15; rc=${PIPESTATUS[0]}
              for size in 1 2; do
                nanovllm bench --model qwen3-0.6b --load-format dummy --compare --json --tensor-parallel-size $size \

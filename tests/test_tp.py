@@ -17,7 +17,7 @@ from helpers import process_alive
 from test_engine_hf import CHATS, TINY_PROMPTS
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.distributed import destroy_tp_group, init_tp_group, min_over_ranks
+from nanovllm.distributed import before_tp_group_destroyed, destroy_tp_group, init_tp_group, min_over_ranks
 from nanovllm.engine.model_runner import StepInputs
 from nanovllm.engine.tp_step import pack, unpack
 from nanovllm.engine.tp_workers import TPWorkerError, check_tp_split
@@ -150,6 +150,20 @@ def test_tp3_equals_tp1_smollm():
         assert [o.token_ids for o in llm.chat(CHATS[:2], params)] == reference
         # A TP=1 engine built before keeps its unsharded layers while a TP group is alive in the process.
         assert [o.token_ids for o in single.chat(CHATS[:1], params)] == reference[:1]
+
+
+def test_releases_run_before_an_orderly_group_teardown_only():
+    """CUDA graphs holding collectives register a release: it must run while the group still exists (NCCL's
+    teardown would otherwise wait on their collectives), and not on an abort, whose peers may be stuck."""
+    calls = []
+    for abort in (False, True):
+        init_tp_group(0, 1, dist.HashStore(), torch.device("cpu"))
+        before_tp_group_destroyed(lambda abort=abort: calls.append((abort, dist.is_initialized())))
+        destroy_tp_group(abort=abort)
+    assert calls == [(False, True)] and not dist.is_initialized()
+    init_tp_group(0, 1, dist.HashStore(), torch.device("cpu"))
+    destroy_tp_group()  # the aborted group's release was dropped with it
+    assert calls == [(False, True)]
 
 
 # ---- the step's trip to the workers ----------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from nanovllm.attention import AttentionMetadata
+from nanovllm.distributed import before_tp_group_destroyed, tp_size
 from nanovllm.engine.step_buffers import DeviceBlockTables
 
 if TYPE_CHECKING:
@@ -66,6 +67,13 @@ class DecodeGraphs:
                 pool = graph.pool()
                 self.graphs[size] = (graph, inputs, logits)
         torch.cuda.synchronize()
+        if tp_size() > 1:  # the graphs hold the model's collectives
+            before_tp_group_destroyed(self.release)
+
+    def release(self) -> None:
+        """Free every graph (the engine is done with them)."""
+        torch.cuda.synchronize()
+        self.graphs.clear()
 
     def batch_size_for(self, num_seqs: int) -> int | None:
         index = bisect.bisect_left(self.sizes, num_seqs)
