@@ -53,6 +53,19 @@ def dataset_workload(llm, path: Path, max_tokens: int) -> Workload:
     return Workload(prompts, output_lens)
 
 
+def warmup_workload(llm, seed: int) -> Workload:
+    """A full batch of short prompts (whole prefill chunks) whose decode steps pass every CUDA graph size once,
+    largest first: first-use costs (a graph's first launch, Triton compiling a kernel variant) must not land in
+    whichever loop is measured first."""
+    from nanovllm.engine.cuda_graphs import batch_size_ladder
+
+    sizes = batch_size_ladder(llm.runner.max_batch_size)
+    # Requests of output length n decode n - 1 times; at decode step d exactly sizes[-d] of them are running.
+    output_lens = [len(sizes) + 1 - i for i, size in enumerate(sizes) for _ in range(size - ([0] + sizes)[i])]
+    prompts = synthetic_workload(len(output_lens), (16, 64), (1, 1), llm.hf_config.vocab_size, seed + 1).prompts
+    return Workload(prompts, output_lens)
+
+
 def run_workload(llm, workload: Workload, label: str, show_progress: bool) -> dict:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -84,7 +97,7 @@ def bench(
         help="Output tokens of --dataset rows without their own max_tokens.", rich_help_panel=WORKLOAD)] = 256,
     compare: Annotated[bool, typer.Option(
         "--compare", help="Run the sync and the async loop on the same workload and engine, and compare.")] = False,
-    warmup: Annotated[bool, typer.Option(help="A short warm-up run before measuring.")] = True,
+    warmup: Annotated[bool, typer.Option(help="A warm-up run before each measured one.")] = True,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
     model: o.Model = None,
     dtype: o.Dtype = None,
@@ -147,8 +160,7 @@ def bench(
             label = "async" if overlap else "sync"
             llm.set_async_scheduling(overlap)
             if warmup:
-                run_workload(llm, synthetic_workload(8, (16, 64), (16, 16), llm.hf_config.vocab_size, seed + 1),
-                             f"{label} warm-up", False)
+                run_workload(llm, warmup_workload(llm, seed), f"{label} warm-up", False)
             stats = run_workload(llm, workload, label, console.is_terminal and not json_output)
             stats["roofline_s"] = roofline_s
             stats["roofline_frac"] = roofline_s / stats["wall_s"] if roofline_s and stats["wall_s"] else None

@@ -14,7 +14,7 @@ import json
 import numpy as np
 
 from nanovllm import LLM
-from nanovllm_cli.bench import run_workload, synthetic_workload
+from nanovllm_cli.bench import run_workload, synthetic_workload, warmup_workload
 from nanovllm_cli.roofline import measure_ceilings, model_costs
 
 DECODE_RANGES = ((1, 16), (17, 64), (65, 128), (129, 192), (193, 256))
@@ -53,7 +53,7 @@ def main() -> None:
     costs = model_costs(llm.hf_config, llm.runner.model, llm.runner.dtype)
     ceilings = measure_ceilings(llm.runner.device)
     workload = synthetic_workload(args.num_seqs, (100, args.max_len), (100, args.max_len), vocab, 0)
-    run_workload(llm, synthetic_workload(32, (100, 200), (20, 40), vocab, 1), "warm-up", False)
+    run_workload(llm, warmup_workload(llm, 0), "warm-up", False)
     records: list = []
     record_steps(llm, records)
     result = {"device": ceilings.name}

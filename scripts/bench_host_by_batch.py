@@ -13,7 +13,7 @@ import json
 import numpy as np
 
 from nanovllm import LLM
-from nanovllm_cli.bench import run_workload, synthetic_workload
+from nanovllm_cli.bench import run_workload, synthetic_workload, warmup_workload
 
 RANGES = ((1, 64), (65, 128), (129, 192), (193, 255), (256, 256))
 
@@ -32,7 +32,7 @@ def main() -> None:
     llm = LLM(args.model, load_format="dummy")
     vocab = llm.runner.vocab_size
     workload = synthetic_workload(args.num_seqs, (100, args.max_len), (100, args.max_len), vocab, 0)
-    run_workload(llm, synthetic_workload(32, (100, 200), (20, 40), vocab, 1), "warm-up", False)
+    run_workload(llm, warmup_workload(llm, 0), "warm-up", False)
     result = {"label": args.label}
     for overlap in (False, True):
         llm.set_async_scheduling(overlap)

@@ -4,7 +4,8 @@ import json
 from typer.testing import CliRunner
 
 from nanovllm import LLM
-from nanovllm_cli.bench import synthetic_workload
+from nanovllm.engine.cuda_graphs import batch_size_ladder
+from nanovllm_cli.bench import run_workload, synthetic_workload, warmup_workload
 from nanovllm_cli.main import app
 from nanovllm_cli.roofline import DeviceCeilings, ModelCosts, model_costs, roofline_seconds
 
@@ -75,3 +76,13 @@ def test_model_costs_are_one_ranks_share_under_tensor_parallelism():
     assert 2 * share.attention_flops_per_pair == whole.attention_flops_per_pair
     assert 2 * share.flops_per_token == whole.flops_per_token
     assert 2 * share.weight_bytes_per_step == whole.weight_bytes_per_step + norm_bytes
+
+
+def test_warmup_passes_every_decode_graph_size():
+    """Each CUDA graph's first launch (and each Triton variant's compile) must happen in the warm-up, not in
+    the first measured loop: the warm-up's decode steps reach every size of the graph ladder."""
+    llm = LLM("tiny-qwen3", load_format="dummy", max_model_len=256, max_num_seqs=64, cpu_kv_cache_bytes=1 << 24)
+    run_workload(llm, warmup_workload(llm, 0), "warm-up", False)
+    ladder = batch_size_ladder(64)
+    reached = {next(size for size in ladder if size >= batch) for batch, _ in llm.stats.decode_host_s}
+    assert reached == set(ladder)
