@@ -3,8 +3,8 @@
 `bench` sets the whole run against one roofline; this shows which steps fall short of theirs. Each step's bound
 is what bench's roofline counts, per step: the weights (this rank's shard) plus the KV context its sequences
 attend to, over the measured copy bandwidth, plus its matmul and causal-attention FLOPs over the measured bf16
-matmul rate. Runs the workload (256 requests, lengths U[100, 1024], seed 0) in the sync and the async loop after a
-short warm-up and prints one JSON line: per kind [steps, device s, roofline s, roofline / device].
+matmul rate. Runs the workload (256 requests, lengths U[100, 1024], seed 0) in the sync and the async loop after
+bench's warm-up and prints one JSON line: per kind [steps, device s, roofline s, roofline / device].
 
     python scripts/bench_device_by_step.py [--model qwen3-0.6b] [--num-seqs 256] [--max-len 1024]
 """
@@ -12,9 +12,10 @@ import argparse
 import json
 
 import numpy as np
+from bench_setup import add_workload_arguments, warmed_up_engine
 
 from nanovllm import LLM
-from nanovllm_cli.bench import run_workload, synthetic_workload, warmup_workload
+from nanovllm_cli.bench import run_workload
 from nanovllm_cli.roofline import measure_ceilings, model_costs
 
 DECODE_RANGES = ((1, 16), (17, 64), (65, 128), (129, 192), (193, 256))
@@ -44,16 +45,11 @@ def record_steps(llm: LLM, records: list) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="qwen3-0.6b")
-    parser.add_argument("--num-seqs", type=int, default=256)
-    parser.add_argument("--max-len", type=int, default=1024, help="prompt and output lengths are U[100, this]")
+    add_workload_arguments(parser)
     args = parser.parse_args()
-    llm = LLM(args.model, load_format="dummy")
-    vocab = llm.runner.vocab_size
+    llm, workload = warmed_up_engine(args)
     costs = model_costs(llm.hf_config, llm.runner.model, llm.runner.dtype)
     ceilings = measure_ceilings(llm.runner.device)
-    workload = synthetic_workload(args.num_seqs, (100, args.max_len), (100, args.max_len), vocab, 0)
-    run_workload(llm, warmup_workload(llm, 0), "warm-up", False)
     records: list = []
     record_steps(llm, records)
     result = {"device": ceilings.name}
