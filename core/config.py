@@ -29,7 +29,7 @@ class EngineConfig:
     load_format: str = "auto"
     async_scheduling: bool = False
     attention_backend: str | None = None
-    fused_ops: bool = True  # on CUDA: RMSNorm, q/k norm + rotary, SiLU-and-mul as Triton kernels
+    fused_ops: bool = True  # on CUDA: RMSNorm, q/k norm + rotary, SiLU-and-mul, decode-sized GEMMs as Triton kernels
     device: str | None = None
     seed: int = 0
 

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.paged_tile import attend_paged_tile
+from nanovllm.kernels.pdl import await_previous_kernel, pdl_launch_args
 
 # Below this many keys per split, writing and merging partial results costs more than the parallelism gains.
 MIN_TOKENS_PER_SPLIT = 256
@@ -32,7 +33,8 @@ def _decode_kernel(q, k_cache, v_cache, out, part_out, part_lse, block_tables, s
                    stride_qb, stride_qh, stride_ob, stride_oh,
                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
                    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-                   BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+                   BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
+    await_previous_kernel(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -70,7 +72,8 @@ def _decode_kernel(q, k_cache, v_cache, out, part_out, part_lse, block_tables, s
 
 @triton.jit
 def _merge_splits_kernel(part_out, part_lse, out, stride_ob, stride_oh, num_splits,
-                         HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr):
+                         HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
+    await_previous_kernel(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     rows = (seq * tl.num_programs(1) + head) * num_splits + tl.arange(0, BLOCK_S)
@@ -119,10 +122,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE=page,
         BLOCK_N=config.block_n, SPLIT=num_splits > 1, num_warps=config.num_warps, num_stages=config.num_stages,
+        **pdl_launch_args(q),
     )
     if num_splits > 1:
         _merge_splits_kernel[(batch, num_heads)](
             part_out, part_lse, out, out.stride(0), out.stride(1), num_splits,
-            HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits), **pdl_launch_args(q),
         )
     return out

@@ -14,10 +14,13 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.pdl import await_previous_kernel, pdl_launch_args
+
 
 @triton.jit
 def _rms_norm_kernel(x, residual, weight, out, residual_out, stride_x, stride_r, stride_o, stride_ro, hidden, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    await_previous_kernel(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -43,7 +46,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         _rms_norm_kernel[(x.shape[0],)](
             x, source, weight, out, residual_out, x.stride(0), source.stride(0), out.stride(0),
             residual_out.stride(0), hidden, eps, HAS_RESIDUAL=residual is not None,
-            BLOCK=triton.next_power_of_2(hidden), num_warps=4 if hidden <= 2048 else 8)
+            BLOCK=triton.next_power_of_2(hidden), num_warps=4 if hidden <= 2048 else 8, **pdl_launch_args(x))
     return out if residual is None else (out, residual_out)
 
 
@@ -71,7 +74,8 @@ def _norm_rope_heads(x, token, stride_t, stride_h, num_heads, weight, cos, sin, 
 @triton.jit
 def _qk_norm_rope_kernel(q, k, positions, cos_sin, q_weight, k_weight, stride_qt, stride_qh, stride_kt, stride_kh,
                          num_q_heads, num_kv_heads, stride_cs, eps,
-                         HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr):
+                         HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr):
+    await_previous_kernel(PDL)
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions + token)
     dims = tl.arange(0, HALF)[None, :]
@@ -99,11 +103,12 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_
         q, k, positions, cos_sin, q_weight if has_norm else cos_sin, k_weight if has_norm else cos_sin,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), num_q_heads, num_kv_heads, cos_sin.stride(0), eps,
         HAS_NORM=has_norm, BLOCK_H=triton.next_power_of_2(max(num_q_heads, num_kv_heads)), HALF=head_dim // 2,
-        num_warps=4)
+        num_warps=4, **pdl_launch_args(q))
 
 
 @triton.jit
-def _silu_and_mul_kernel(x, out, stride_x, stride_o, width, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x, out, stride_x, stride_o, width, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    await_previous_kernel(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
@@ -122,5 +127,5 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     block = min(triton.next_power_of_2(width), 1024)
     if num_tokens:
         _silu_and_mul_kernel[(num_tokens, triton.cdiv(width, block))](x, out, x.stride(0), out.stride(0), width,
-                                                                        BLOCK=block)
+                                                                        BLOCK=block, **pdl_launch_args(x))
     return out

@@ -5,13 +5,16 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.pdl import await_previous_kernel, pdl_launch_args
+
 
 @triton.jit
 def _store_kvcache_kernel(k, v, k_cache, v_cache, slot_mapping,
                           stride_kt, stride_kh, stride_vt, stride_vh,
                           stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
                           NUM_KV_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
-                          PAGE: tl.constexpr):
+                          PAGE: tl.constexpr, PDL: tl.constexpr):
+    await_previous_kernel(PDL)
     token = tl.program_id(0)
     slot = tl.load(slot_mapping + token)
     if slot < 0:
@@ -40,5 +43,5 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3],
         NUM_KV_HEADS=num_kv_heads, BLOCK_H=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim,
-        PAGE=k_cache.shape[1],
+        PAGE=k_cache.shape[1], **pdl_launch_args(k),
     )

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.paged_tile import attend_paged_tile
+from nanovllm.kernels.pdl import await_previous_kernel, pdl_launch_args
 
 
 class PrefillConfig(NamedTuple):
@@ -29,7 +30,8 @@ def _prefill_kernel(q, k_cache, v_cache, out, block_tables, seq_lens, query_star
                     stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+    await_previous_kernel(PDL)
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = tl.program_id(2)
@@ -95,6 +97,6 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, PAGE=page, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch_args(q),
     )
     return out

@@ -41,7 +41,7 @@ TensorParallelSize = Annotated[int | None, typer.Option(
     "--tensor-parallel-size", "-tp", help="GPUs to shard the model over.", rich_help_panel=ENGINE)]
 EnforceEager = Annotated[bool, typer.Option("--enforce-eager", help="No CUDA graphs.", rich_help_panel=ENGINE)]
 NoFusedOps = Annotated[bool, typer.Option(
-    "--no-fused-ops", help="RMSNorm, rotary and SiLU as plain torch ops instead of fused Triton kernels (CUDA).",
+    "--no-fused-ops", help="RMSNorm, rotary, SiLU as torch ops and every projection on cuBLAS, not Triton kernels (CUDA).",
     rich_help_panel=ENGINE)]
 LoadFormat = Annotated[str | None, typer.Option(
     help="auto | dummy (random weights, for testing).", rich_help_panel=ENGINE)]

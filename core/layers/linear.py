@@ -24,11 +24,19 @@ def _set_packed_parts(layer: nn.Module, parts: dict) -> None:
 
 
 class LinearBase(nn.Module):
-    """y = x W^T + b with W of shape [output_size, input_size]; `shard_dim` is the dim split across ranks."""
+    """y = x W^T + b with W of shape [output_size, input_size]; `shard_dim` is the dim split across ranks.
 
-    def __init__(self, input_size: int, output_size: int, bias: bool, shard_dim: int | None):
+    `fused` (CUDA): decode-sized half-precision batches go through the skinny GEMM kernel, which joins the
+    decode step's chain of programmatically launched kernels (kernels/pdl.py), instead of cuBLAS."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, shard_dim: int | None, fused: bool = False):
         super().__init__()
         self.shard_dim = shard_dim
+        self.skinny = None
+        if fused:  # imported only when used: the CPU path needs no Triton
+            from nanovllm.kernels.skinny_gemm import MAX_ROWS, skinny_linear
+
+            self.skinny, self.skinny_max_rows = skinny_linear, MAX_ROWS
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         full = [output_size, input_size]
@@ -48,8 +56,14 @@ class LinearBase(nn.Module):
             loaded = loaded.narrow(self.shard_dim, tp_rank() * size, size)
         param.data.copy_(loaded)
 
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        # fp32 stays with cuBLAS: the kernel's tl.dot would round it to TF32.
+        if self.skinny is not None and x.shape[0] <= self.skinny_max_rows and x.dtype != torch.float32:
+            return self.skinny(x, self.weight, bias)
+        return F.linear(x, self.weight, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -60,16 +74,17 @@ class ReplicatedLinear(LinearBase):
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; each rank returns its slice."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        super().__init__(input_size, _divide(output_size, tp_size(), "output features"), bias, shard_dim=0)
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, fused: bool = False):
+        super().__init__(input_size, _divide(output_size, tp_size(), "output features"), bias, shard_dim=0,
+                         fused=fused)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections of the same input packed into one matmul (e.g. gate and up)."""
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, fused: bool = False):
         self.output_sizes = output_sizes
-        super().__init__(input_size, sum(output_sizes), bias)
+        super().__init__(input_size, sum(output_sizes), bias, fused)
         _set_packed_parts(self, dict(enumerate(output_sizes)))
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
@@ -82,12 +97,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v projections packed into one matmul, split by heads across ranks."""
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
+                 fused: bool = False):
         world = tp_size()
         self.head_dim = head_dim
         self.num_heads = _divide(num_heads, world, "num_attention_heads")
         self.num_kv_heads = _divide(num_kv_heads, world, "num_key_value_heads")
-        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias)
+        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias, fused)
         kv_rows = num_kv_heads * head_dim
         _set_packed_parts(self, {"q": num_heads * head_dim, "k": kv_rows, "v": kv_rows})
 
@@ -101,13 +117,14 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(LinearBase):
     """Input features split across ranks; partial products are summed with an all-reduce."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        super().__init__(_divide(input_size, tp_size(), "input features"), output_size, bias, shard_dim=1)
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, fused: bool = False):
+        super().__init__(_divide(input_size, tp_size(), "input features"), output_size, bias, shard_dim=1,
+                         fused=fused)
         self.reduce = tp_size() > 1  # the group this layer was built for, not whichever engine runs later
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added once, after the reduction.
-        y = F.linear(x, self.weight)
+        y = self.matmul(x, None)
         if self.reduce:
             y = all_reduce(y)
         return y + self.bias if self.bias is not None else y

@@ -29,10 +29,11 @@ class LlamaAttention(nn.Module):
         qkv_bias = model_type == "qwen2" or getattr(config, "attention_bias", False)
         o_bias = model_type != "qwen2" and getattr(config, "attention_bias", False)
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
-                                          config.num_key_value_heads, bias=qkv_bias)
+                                          config.num_key_value_heads, bias=qkv_bias, fused=fused)
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
-        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=o_bias)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=o_bias,
+                                        fused=fused)
         self.qk_norm = model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -67,8 +68,9 @@ class LlamaMLP(nn.Module):
     def __init__(self, config, fused: bool):
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias)
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias,
+                                                       fused=fused)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias, fused=fused)
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (silu is)")
         self.act = SiluAndMul(fused)
@@ -121,7 +123,8 @@ class LlamaForCausalLM(nn.Module):
     }
 
     def __init__(self, config, fused_ops: bool = False):
-        """`fused_ops`: RMSNorm, q/k norm + rotary and SiLU-and-mul as Triton kernels (CUDA only)."""
+        """`fused_ops`: RMSNorm, q/k norm + rotary, SiLU-and-mul and decode-sized projections as Triton kernels
+        (CUDA only)."""
         super().__init__()
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type {config.model_type!r} is not supported ({', '.join(SUPPORTED_MODEL_TYPES)} are)")
