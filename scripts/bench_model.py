@@ -2,10 +2,11 @@
 
 - prefill: one forward of 8 sequences x 1024 new tokens (8k tokens) + their logits, in TFLOP/s of matmul and
   causal-attention work, against the measured bf16 matmul rate;
-- decode: one graph-replayed step of 256 sequences at context 1024, in ms, and the KV + weight bytes it must read
-  over the measured copy bandwidth;
+- decode: one graph-replayed step of 256 sequences (or each of `--decode-batches`) at context 1024, in ms, and the
+  KV + weight bytes it must read over the measured copy bandwidth;
 - `--profile`: the top CUDA kernels of each (torch.profiler), to say what dominates;
-both with the fused small-op kernels (the default) and without them (`fused_ops=False`), in one run.
+both with the fused small-op kernels (the default) and without them (`fused_ops=False`; not with `--fused-only`),
+in one run.
 """
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ def top_kernels(fn, count: int = 12) -> list[dict]:
 
 
 @torch.inference_mode()
-def measure(model_name: str, engine_args: dict, ceilings, profile: bool) -> dict:
+def measure(model_name: str, engine_args: dict, ceilings, profile: bool, decode_batches: list[int]) -> dict:
     llm = LLM(model_name, **engine_args)
     runner, model = llm.runner, llm.runner.model
     costs = model_costs(llm.hf_config, model, runner.dtype)
@@ -73,7 +74,15 @@ def measure(model_name: str, engine_args: dict, ceilings, profile: bool) -> dict
     report["prefill"] = {"tokens": tokens, "ms": prefill_ms, "tflop_s": flops / prefill_ms / 1e9,
                          "matmul_rate_frac": flops / prefill_ms * 1e3 / ceilings.matmul_flops_per_s}
 
-    batch, context = 256, 1024
+    report["decode"] = [decode_step(llm, costs, ceilings, batch, 1024, profile) for batch in decode_batches]
+    if profile:
+        report["prefill"]["top_kernels"] = top_kernels(prefill)
+    llm.exit()
+    return report
+
+
+def decode_step(llm: LLM, costs, ceilings, batch: int, context: int, profile: bool) -> dict:
+    runner = llm.runner
     ids, positions, meta = batch_meta(llm, batch, context, 1)
     size = runner.graphs.batch_size_for(batch)
     assert size == batch, "the decode batch must be a captured graph size (no padding rows)"
@@ -95,13 +104,10 @@ def measure(model_name: str, engine_args: dict, ceilings, profile: bool) -> dict
 
     decode_ms = median_cuda_ms(decode, repeats=20)
     bytes_read = batch * context * costs.kv_bytes_per_token + costs.weight_bytes_per_step
-    report["decode"] = {"batch": batch, "context": context, "ms": decode_ms,
-                        "bytes_read_per_s": bytes_read / decode_ms * 1e3,
-                        "bandwidth_frac": bytes_read / decode_ms * 1e3 / ceilings.copy_bytes_per_s}
+    report = {"batch": batch, "context": context, "ms": decode_ms, "bytes_read_per_s": bytes_read / decode_ms * 1e3,
+              "bandwidth_frac": bytes_read / decode_ms * 1e3 / ceilings.copy_bytes_per_s}
     if profile:
-        report["prefill"]["top_kernels"] = top_kernels(prefill)
-        report["decode"]["top_kernels"] = top_kernels(decode)
-    llm.exit()
+        report["top_kernels"] = top_kernels(decode)
     return report
 
 
@@ -110,6 +116,8 @@ def main() -> None:
     parser.add_argument("--model", default="qwen3-0.6b")
     parser.add_argument("--block-size", type=int, default=None)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--decode-batches", type=int, nargs="+", default=[256])
+    parser.add_argument("--fused-only", action="store_true")
     args = parser.parse_args()
     # Room for the decode batch (256 x 1024 tokens) without profiling memory, so both engines get the same cache.
     engine_args = dict(load_format="dummy", max_model_len=2048, num_kv_blocks=(256 * 1024 + 8 * 1024) // 16 + 64)
@@ -119,13 +127,15 @@ def main() -> None:
     ceilings = measure_ceilings(torch.device("cuda"))
     report = {"device": ceilings.name, "copy_bytes_per_s": ceilings.copy_bytes_per_s,
               "matmul_flops_per_s": ceilings.matmul_flops_per_s}
-    for fused in (True, False):  # the same shapes with the small ops fused (default) and as plain torch ops
+    for fused in (True,) if args.fused_only else (True, False):  # the small ops fused (default), as torch ops
         report["fused" if fused else "unfused"] = measure(args.model, {**engine_args, "fused_ops": fused}, ceilings,
-                                                          args.profile)
+                                                          args.profile, args.decode_batches)
         gc.collect()
         torch.cuda.empty_cache()
-    report["fused_speedup"] = {phase: report["unfused"][phase]["ms"] / report["fused"][phase]["ms"]
-                               for phase in ("prefill", "decode")}
+    if not args.fused_only:
+        report["fused_speedup"] = {
+            "prefill": report["unfused"]["prefill"]["ms"] / report["fused"]["prefill"]["ms"],
+            "decode": [u["ms"] / f["ms"] for u, f in zip(report["unfused"]["decode"], report["fused"]["decode"])]}
     print(json.dumps(report))
 
 

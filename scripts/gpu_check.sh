@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # One device run: install in place, GPU tests, kernel/model microbenchmarks, end-to-end benchmarks.
-# Everything lands under $OUT (logs + JSON). Stages: tests, kernels, model, host, bench, peers (default: all);
+# Everything lands under $OUT (logs + JSON). Stages: tests, kernels, gemm, model, host, bench, peers (default: all);
 # tp (two GPUs: the TP=2 GPU test, then bench at TP=1 and TP=2) is only run when named.
 set -uo pipefail
 OUT=${OUT:-/tmp/nanovllm-gpu}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NANOVLLM_GPU_REPORT="$OUT/gpu_tests.jsonl"
-STAGES=${*:-tests kernels model host bench peers}
+STAGES=${*:-tests kernels gemm model host bench peers}
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 status=0
@@ -16,7 +16,9 @@ for stage in $STAGES; do
     tests)   python3 -m pytest -q -m gpu -p no:cacheprovider tests/ \
                2>&1 | tee "$OUT/gpu_tests.log" | tail -15; rc=${PIPESTATUS[0]} ;;
     kernels) python3 scripts/bench_kernels.py > "$OUT/bench_kernels.json" 2>"$OUT/bench_kernels.err"; rc=$? ;;
-    model)   python3 scripts/bench_model.py --profile > "$OUT/bench_model.json" 2>"$OUT/bench_model.err"; rc=$? ;;
+    gemm)    python3 scripts/bench_gemm.py > "$OUT/bench_gemm.jsonl" 2>"$OUT/bench_gemm.err"; rc=$? ;;
+    model)   python3 scripts/bench_model.py --profile --decode-batches 1 16 64 256 \
+               > "$OUT/bench_model.json" 2>"$OUT/bench_model.err"; rc=$? ;;
     host)    { python3 scripts/bench_host.py --model qwen3-0.6b --json &&
                python3 scripts/bench_host.py --model qwen3-0.6b --temperature 0.8 --json; } \
                > "$OUT/bench_host.jsonl" 2>"$OUT/bench_host.err"; rc=$? ;;
