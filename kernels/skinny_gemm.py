@@ -109,8 +109,10 @@ def _skinny_gemm_kernel(x, w, bias, out, partials, counters, M, N, K, stride_xm,
 _workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The device's partial-sum buffer and zeroed arrival counters (made on first use: before any capture)."""
+def workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The device's partial-sum buffer and zeroed arrival counters, made on first use. The layers that use the
+    kernel ask for it when they are built, so that it is in place before the engine measures its memory budget
+    (a second engine in the process then measures the same) and before any CUDA graph capture."""
     if device not in _workspaces:
         _workspaces[device] = (torch.empty(_WORKSPACE_FLOATS, dtype=torch.float32, device=device),
                                torch.zeros(_MAX_TILES, dtype=torch.int32, device=device))
@@ -146,7 +148,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     config = config or choose_config(m, n, k, _num_sms(x.device))
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     pdl = pdl_launch_args(x)
-    partials, counters = _workspace(x.device)
+    partials, counters = workspace(x.device)
     grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m), config.split_k)
     assert config.split_k == 1 or (config.split_k * m * n <= partials.numel() and grid[0] * grid[1] <= len(counters))
     _skinny_gemm_kernel[grid](

@@ -184,21 +184,77 @@ def generate_and_free(prompts, params, **engine_args) -> tuple[list[list[int]], 
 
 def test_graphs_async_and_eager_agree():
     """Mixed lengths so that decode batches shrink through many graph sizes (padding exercised); sampled
-    requests too. Batch sizes (hence matmul tilings) and decode split counts differ between the three, so a
-    near-tie may flip a token: at least 95 % of the sequences must be identical."""
+    requests too. In float32: eager steps use other matmul tilings (the exact batch instead of the padded one)
+    and other decode split counts than the graphs, which changes results at float32 rounding (~1e-6), far
+    below the gaps between the top logits of these random weights. In bf16 the same differences flip near-tied
+    tokens of random weights wholesale (an H200's cuBLAS tiles the two batch sizes differently: 44 % of the
+    sequences stayed identical there); the bf16 graphs are checked at the logit level below."""
     rng = random.Random(1)
     prompts = [[rng.randrange(1000) for _ in range(rng.randint(5, 700))] for _ in range(70)]
     params = [SamplingParams(temperature=0 if i % 2 else 0.8, top_p=0.95, seed=i, max_tokens=rng.randint(1, 80),
                              ignore_eos=True) for i in range(len(prompts))]
-    graphs, _ = generate_and_free(prompts, params)
-    overlapped, stats = generate_and_free(prompts, params, async_scheduling=True)
-    eager, _ = generate_and_free(prompts, params, enforce_eager=True)
+    graphs, _ = generate_and_free(prompts, params, dtype="float32")
+    overlapped, stats = generate_and_free(prompts, params, dtype="float32", async_scheduling=True)
+    eager, _ = generate_and_free(prompts, params, dtype="float32", enforce_eager=True)
     same_eager = sum(a == b for a, b in zip(eager, graphs)) / len(prompts)
     same_async = sum(a == b for a, b in zip(overlapped, graphs)) / len(prompts)
-    report("graphs_vs_eager_vs_async", {"eager_identical_fraction": same_eager,
+    report("graphs_vs_eager_vs_async", {"dtype": "float32", "eager_identical_fraction": same_eager,
                                         "async_identical_fraction": same_async})
-    assert same_eager >= 0.95 and same_async >= 0.95
+    assert same_async == 1.0  # the same graphs on the same batches: bit for bit
+    assert same_eager >= 0.95
     assert stats["overlap"] is True and 0 < stats["gpu_busy_frac"] <= 1
+
+
+def test_bf16_decode_graphs_compute_the_eager_step():
+    """One decode step of each captured size, replayed from its graph and run eagerly on the same inputs
+    (contexts of random lengths in shuffled blocks of a random cache, the new token's K/V stored by each run)
+    with the graph's decode split count: the same kernels on the same values, so the logits must be bit for bit
+    the same; any difference is the graph reading other inputs (a table row, a position, a padding entry).
+
+    (With the eager step's own split count, fewer splits for short contexts, the two differ by bf16 rounding
+    amplified through 28 random layers: 3.6-4.3 % relative L2 at batches 1-32 on an H200.)"""
+    differing = graph_vs_eager_differing_logits()
+    gc.collect()  # the engine's graphs and buffers, before the next test measures free memory
+    torch.cuda.empty_cache()
+    report("bf16_decode_graph_vs_eager_logits", {"differing_logits_by_batch": differing})
+    assert not any(differing.values())
+
+
+@torch.inference_mode()
+def graph_vs_eager_differing_logits() -> dict[int, int]:
+    llm = LLM("qwen3-0.6b", load_format="dummy", max_model_len=2048, num_kv_blocks=4096, seed=5)
+    runner, model = llm.runner, llm.runner.model
+    runner.kv_cache.normal_(0, 1)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    differing = {}
+    for batch in (1, 8, 32, 64, 128, 256):
+        assert runner.graphs.batch_size_for(batch) == batch
+        seq_lens = torch.randint(1, 256, (batch,), device="cuda", generator=gen, dtype=torch.int32)
+        tables = torch.randperm(runner.num_kv_blocks, device="cuda", generator=gen)[:batch * 16].view(batch, 16)
+        tables = tables.to(torch.int32)
+        positions = seq_lens.long() - 1
+        slots = tables.gather(1, (positions // runner.block_size)[:, None])[:, 0].long() * runner.block_size
+        slots += positions % runner.block_size
+        ids = torch.randint(0, llm.hf_config.vocab_size, (batch,), device="cuda", generator=gen)
+
+        buffers = runner.buffers.on_device
+        for name, value in (("input_ids", ids), ("positions", positions), ("slot_mapping", slots),
+                            ("seq_lens", seq_lens), ("rows", torch.arange(batch, device="cuda"))):
+            buffers[name][:batch] = value
+        runner.tables.tables[:batch, :16] = tables
+        updates = buffers["table_updates"][:2 * batch].view(2, batch)
+        updates[0].fill_(runner.tables.sink_index)  # no table changes: every update writes the sink row
+        updates[1].zero_()
+        graph_logits = runner.graphs.replay(batch)[:batch].float()
+
+        meta = AttentionMetadata(
+            slot_mapping=slots, query_start_loc=torch.arange(batch + 1, device="cuda", dtype=torch.int32),
+            seq_lens=seq_lens, block_tables=tables, max_query_len=1, max_seq_len=int(seq_lens.max()),
+            decode_num_splits=runner.backend.decode_num_splits(batch, runner.max_model_len, runner.num_kv_heads))
+        eager_logits = model.compute_logits(model(ids, positions, meta)).float()
+        differing[batch] = int((graph_logits != eager_logits).sum())
+    llm.exit()
+    return differing
 
 
 def test_two_engines_in_a_row_get_the_same_budget():

@@ -32,12 +32,14 @@ class LinearBase(nn.Module):
     def __init__(self, input_size: int, output_size: int, bias: bool, shard_dim: int | None, fused: bool = False):
         super().__init__()
         self.shard_dim = shard_dim
+        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.skinny = None
         if fused:  # imported only when used: the CPU path needs no Triton
-            from nanovllm.kernels.skinny_gemm import MAX_ROWS, skinny_linear
+            from nanovllm.kernels.skinny_gemm import MAX_ROWS, skinny_linear, workspace
 
             self.skinny, self.skinny_max_rows = skinny_linear, MAX_ROWS
-        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+            if self.weight.is_cuda:
+                workspace(self.weight.device)
         self.weight.weight_loader = self.weight_loader
         full = [output_size, input_size]
         if shard_dim is not None:
