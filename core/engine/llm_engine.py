@@ -112,10 +112,13 @@ class LLM:
 
     def step(self) -> list[RequestOutput]:
         """One iteration of the step loop; returns the requests that finished in it."""
-        finished = self.loop.step()
         started = time.perf_counter()
+        finished = self.loop.step()
+        detokenize_started = time.perf_counter()
         outputs = [self._output(seq) for seq in finished]
-        self.stats.detokenize_s += time.perf_counter() - started
+        ended = time.perf_counter()
+        self.stats.detokenize_s += ended - detokenize_started
+        self.stats.record_interval(started, ended)
         return outputs
 
     def _check_stop_strings(self, seqs: list[Sequence]) -> None:

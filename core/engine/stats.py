@@ -13,7 +13,11 @@ class EngineStats:
     overlap: bool  # the async loop overlaps host and device work
     steps: int = 0
     decode_steps: int = 0
-    wall_s: float = 0.0  # sum of step-loop iterations (the loop adds it): host work plus waits for the device
+    # The measured interval: from the start of the first step to the end of the last one, on the host clock. It
+    # includes whatever the caller does between steps (writing results, a progress bar): the device keeps working
+    # then in the async loop, so an interval without it would credit the device with time it was not measured in.
+    started_at: float | None = None
+    ended_at: float | None = None
     schedule_s: float = 0.0
     prepare_s: float = 0.0  # input building and host-to-device copies
     execute_s: float = 0.0  # host time inside the launch (on the CPU: the whole forward and sampling)
@@ -30,6 +34,16 @@ class EngineStats:
     decode_host_s: list[tuple[int, float]] = field(default_factory=list)  # (batch size, schedule + prepare)
     ttft_s: list[float] = field(default_factory=list)
     tpot_s: list[float] = field(default_factory=list)
+
+    @property
+    def wall_s(self) -> float:
+        return self.ended_at - self.started_at if self.started_at is not None else 0.0
+
+    def record_interval(self, started: float, ended: float) -> None:
+        """One engine step ran from `started` to `ended` (host clock)."""
+        if self.started_at is None:
+            self.started_at = started
+        self.ended_at = ended
 
     def record_step(self, *, schedule_s: float, prepare_s: float, execute_s: float, wait_s: float,
                     postprocess_s: float, device_s: float | None, prefill_tokens: int, decode_tokens: int,

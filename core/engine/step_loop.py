@@ -45,7 +45,6 @@ class StepLoop:
     def step(self) -> list[Sequence]:
         """One iteration; returns the sequences that finished in it. The last in-flight step drains on the
         iteration after the scheduler runs dry."""
-        started = time.perf_counter()
         launched = self._launch(self.last_launched)
         if launched:
             self.last_launched = launched.handle
@@ -53,9 +52,7 @@ class StepLoop:
             done, self.in_flight = self.in_flight, launched
         else:
             done = launched
-        finished = self._complete(done) if done else []
-        self.stats.wall_s += time.perf_counter() - started
-        return finished
+        return self._complete(done) if done else []
 
     def _launch(self, previous: StepHandle | None) -> LaunchedStep | None:
         t0 = time.perf_counter()
