@@ -28,7 +28,7 @@ from nanovllm.kernels.pdl import await_previous_kernel, pdl_launch_args
 MAX_SPLIT_K = 8
 MAX_ROWS = 64  # above this cuBLAS is faster (at 256 rows 2-3x): larger batches and prefill chunks go to cuBLAS
 _CACHE_LINE = 128  # bytes per L2 prefetch
-_WORKSPACE_FLOATS = 4 * 1024 * 1024  # 16 MiB of partial sums per device
+WORKSPACE_FLOATS = 4 * 1024 * 1024  # 16 MiB of partial sums per device
 _MAX_TILES = 64 * 1024
 
 
@@ -114,21 +114,22 @@ def workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     kernel ask for it when they are built, so that it is in place before the engine measures its memory budget
     (a second engine in the process then measures the same) and before any CUDA graph capture."""
     if device not in _workspaces:
-        _workspaces[device] = (torch.empty(_WORKSPACE_FLOATS, dtype=torch.float32, device=device),
+        _workspaces[device] = (torch.empty(WORKSPACE_FLOATS, dtype=torch.float32, device=device),
                                torch.zeros(_MAX_TILES, dtype=torch.int32, device=device))
     return _workspaces[device]
 
 
+@functools.cache  # eager steps ask for every projection of every step
 def choose_config(m: int, n: int, k: int, num_sms: int) -> SkinnyConfig:
     """Tiles of the rows (16 to 64) by 32 columns, K split (by powers of two) while the programs still fit on
     the SMs at once and each streams at least 2 x 128 of K: the best of a sweep on an H100 at Qwen3-0.6B's
     projections (scripts/bench_gemm.py --sweep)."""
-    block_m = max(16, triton.next_power_of_2(m)) if m <= 64 else 64
+    block_m = min(64, max(16, triton.next_power_of_2(m)))
     block_n, block_k = 32, 128
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     split_k = 1
     while (split_k < MAX_SPLIT_K and tiles * split_k * 2 <= num_sms and k // (2 * split_k) >= 2 * block_k
-           and 2 * split_k * m * n <= _WORKSPACE_FLOATS):
+           and 2 * split_k * m * n <= WORKSPACE_FLOATS):
         split_k *= 2
     return SkinnyConfig(block_m, block_n, block_k, split_k)
 

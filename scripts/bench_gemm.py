@@ -16,7 +16,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from nanovllm.kernels.skinny_gemm import SkinnyConfig, choose_config, skinny_linear
+from nanovllm.kernels.skinny_gemm import WORKSPACE_FLOATS, SkinnyConfig, choose_config, skinny_linear
 from nanovllm.loaders.resolve import resolve_model
 from nanovllm_cli.roofline import measure_ceilings
 
@@ -80,7 +80,7 @@ def main() -> None:
                 best = None
                 for config in sweep:
                     config = config._replace(block_m=chosen.block_m)
-                    if config.split_k * m * n > 4 * 1024 * 1024 or k // config.split_k < config.block_k:
+                    if config.split_k * m * n > WORKSPACE_FLOATS or k // config.split_k < config.block_k:
                         continue
                     try:
                         us = 1e3 * graph_ms_per_call([functools.partial(skinny_linear, x, w, None, config)
