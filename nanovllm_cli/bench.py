@@ -148,6 +148,7 @@ def bench(
                          f"{too_long[0]}): shorten the ranges or raise --max-model-len")
 
         runner = llm._runner
+        cuda_graphs = runner.graphs is not None  # read now: exit() releases the runner
         on_gpu = runner.device.type == "cuda"
         ceilings = measure_ceilings(runner.device) if on_gpu else None
         costs = model_costs(llm.hf_config, runner.model, runner.dtype)
@@ -178,7 +179,7 @@ def bench(
                                                              "seed": seed}},
         "engine": {"block_size": llm.config.block_size, "max_num_seqs": llm.config.max_num_seqs,
                    "max_num_batched_tokens": llm.config.max_num_batched_tokens,
-                   "num_kv_blocks": llm._block_manager.num_blocks, "cuda_graphs": runner.graphs is not None,
+                   "num_kv_blocks": llm._block_manager.num_blocks, "cuda_graphs": cuda_graphs,
                    "attention_backend": runner.attention_backend, "torch": torch.__version__},
         "ceilings": ({"copy_bytes_per_s": ceilings.copy_bytes_per_s,
                       "matmul_bf16_flops_per_s": ceilings.matmul_flops_per_s} if ceilings else None),

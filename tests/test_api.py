@@ -114,14 +114,19 @@ def test_a_dropped_engine_is_freed_at_once(async_scheduling):
     try:
         llm = LLM("tiny-qwen3", max_model_len=256, num_kv_blocks=32, async_scheduling=async_scheduling)
         llm.generate([[1, 2, 3], [4, 5, 6, 7]], SamplingParams(temperature=0.7, max_tokens=5, seed=1))
-        engine, runner, cache = weakref.ref(llm), weakref.ref(llm._runner), weakref.ref(llm._runner.kv_cache)
-        del llm
-        assert engine() is None and runner() is None and cache() is None
+        runner = llm._runner
+        kept = [weakref.ref(x) for x in (llm, runner, runner.model, runner.kv_cache, *runner.model.parameters())]
+        del llm, runner
+        assert all(ref() is None for ref in kept)
     finally:
         gc.enable()
     llm = LLM("tiny-qwen3", max_model_len=256, num_kv_blocks=32)
-    cache = weakref.ref(llm._runner.kv_cache)
-    llm.exit()
-    assert cache() is None
+    gc.disable()
+    try:
+        kept = [weakref.ref(x) for x in (llm._runner.model, llm._runner.kv_cache, *llm._runner.model.parameters())]
+        llm.exit()
+        assert all(ref() is None for ref in kept)
+    finally:
+        gc.enable()
     with pytest.raises(RuntimeError, match="exited"):
         llm.generate([[1, 2, 3]])

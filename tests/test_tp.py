@@ -51,14 +51,14 @@ def _check_layers(rank: int, world: int, port: int) -> None:
 
         w, b = torch.randn(12, 12), torch.randn(12)
         column = ColumnParallelLinear(12, 12, bias=True)
-        column.weight.weight_loader(column.weight, w)
-        column.bias.weight_loader(column.bias, b)
+        column.weight_loader(column.weight, w)
+        column.weight_loader(column.bias, b)
         torch.testing.assert_close(gathered(column(x)), F.linear(x, w, b))
 
         w, b = torch.randn(8, 12), torch.randn(8)
         row = RowParallelLinear(12, 8, bias=True)
-        row.weight.weight_loader(row.weight, w)
-        row.bias.weight_loader(row.bias, b)
+        row.weight_loader(row.weight, w)
+        row.weight_loader(row.bias, b)
         shard = 12 // world
         torch.testing.assert_close(row(x[:, rank * shard:(rank + 1) * shard]), F.linear(x, w, b))
 
@@ -68,8 +68,8 @@ def _check_layers(rank: int, world: int, port: int) -> None:
         bias = {part: torch.randn(len(t)) for part, t in full.items()}
         qkv = QKVParallelLinear(12, head_dim, heads, kv_heads, bias=True)
         for part, weight in full.items():
-            qkv.weight.weight_loader(qkv.weight, weight, part)
-            qkv.bias.weight_loader(qkv.bias, bias[part], part)
+            qkv.weight_loader(qkv.weight, weight, part)
+            qkv.weight_loader(qkv.bias, bias[part], part)
         local = qkv(x).split([heads * head_dim // world, kv_heads * head_dim // world, kv_heads * head_dim // world],
                              dim=-1)
         for part, out in zip(full, local):
@@ -77,20 +77,20 @@ def _check_layers(rank: int, world: int, port: int) -> None:
 
         gate, up = torch.randn(18, 12), torch.randn(18, 12)
         merged = MergedColumnParallelLinear(12, [18, 18])
-        merged.weight.weight_loader(merged.weight, gate, 0)
-        merged.weight.weight_loader(merged.weight, up, 1)
+        merged.weight_loader(merged.weight, gate, 0)
+        merged.weight_loader(merged.weight, up, 1)
         local_gate, local_up = merged(x).chunk(2, dim=-1)
         torch.testing.assert_close(gathered(local_gate), x @ gate.T)
         torch.testing.assert_close(gathered(local_up), x @ up.T)
 
         vocab, table = 11, torch.randn(11, 12)  # 11 rows split unevenly: the last shard is padded
         embedding = VocabParallelEmbedding(vocab, 12)
-        embedding.weight.weight_loader(embedding.weight, table)
+        embedding.weight_loader(embedding.weight, table)
         ids = torch.tensor([0, 3, 4, 5, 7, 10, 10, 1])
         torch.testing.assert_close(embedding(ids), F.embedding(ids, table))
 
         head = ParallelLMHead(vocab, 12)
-        head.weight.weight_loader(head.weight, table)
+        head.weight_loader(head.weight, table)
         logits = head(x)
         if rank == 0:
             torch.testing.assert_close(logits, x @ table.T)

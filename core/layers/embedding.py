@@ -18,7 +18,6 @@ class VocabParallelEmbedding(nn.Module):
         self.shard_size = -(-vocab_size // world)
         self.shard_start = tp_rank() * self.shard_size
         self.weight = nn.Parameter(torch.zeros(self.shard_size, hidden_size), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
         self.weight.full_shape = (vocab_size, hidden_size)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:

@@ -1,6 +1,7 @@
-"""Linear layers that shard across tensor-parallel ranks. Each parameter carries a `weight_loader` that takes the
-full checkpoint tensor (or one packed part of it) and copies this rank's slice, and the shape of that full tensor
-(`full_shape`; packed parameters also `packed_parts`: part id -> its rows) for loaders that make weights up."""
+"""Linear layers that shard across tensor-parallel ranks. Each layer's `weight_loader` takes a full checkpoint
+tensor (or one packed part of it) and copies this rank's slice into one of its parameters; each parameter carries
+the shape of that full tensor (`full_shape`; packed parameters also `packed_parts`: part id -> its rows) for
+loaders that make weights up."""
 from __future__ import annotations
 
 import torch
@@ -40,13 +41,11 @@ class LinearBase(nn.Module):
             self.skinny, self.skinny_max_rows = skinny_linear, MAX_ROWS
             if self.weight.is_cuda:
                 workspace(self.weight.device)
-        self.weight.weight_loader = self.weight_loader
         full = [output_size, input_size]
         full[shard_dim] *= tp_size()
         self.weight.full_shape = tuple(full)
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader
             self.bias.full_shape = (full[0],)
         else:
             self.register_parameter("bias", None)

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -15,15 +16,28 @@ def copy_whole(param: nn.Parameter, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded)
 
 
+def parameter_loaders(model: nn.Module) -> dict[str, tuple[nn.Parameter, Callable]]:
+    """Each parameter by its full name, with the loader of the layer that holds it: the layer's `weight_loader`
+    method (which takes this rank's tensor-parallel slice), else `copy_whole`. Looked up here rather than stored
+    on the parameters: a bound method on a parameter of its own layer would be a reference cycle, which keeps a
+    dropped engine's weights alive until a garbage collection."""
+    loaders = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        loader = getattr(module, "weight_loader", copy_whole)
+        for param_name, param in module.named_parameters(recurse=False, remove_duplicate=False):
+            loaders[f"{module_name}.{param_name}" if module_name else param_name] = (param, loader)
+    return loaders
+
+
 def load_safetensors_weights(model: nn.Module, directory: Path) -> None:
     """Load every `*.safetensors` shard of an HF checkpoint directory, one tensor at a time.
 
-    Packed parameters (q/k/v -> qkv_proj, gate/up -> gate_up_proj) are filled part by part through the
-    parameter's `weight_loader`, which also takes this rank's tensor-parallel slice."""
+    Packed parameters (q/k/v -> qkv_proj, gate/up -> gate_up_proj) are filled part by part through their
+    layer's `weight_loader`, which also takes this rank's tensor-parallel slice."""
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors files in {directory}")
-    params = dict(model.named_parameters(remove_duplicate=False))
+    params = parameter_loaders(model)
     packed = getattr(model, "packed_modules_mapping", {})
     tied = getattr(model, "tie_word_embeddings", False)
     loaded: set[str] = set()
@@ -37,11 +51,10 @@ def load_safetensors_weights(model: nn.Module, directory: Path) -> None:
                     if f".{fragment}." in name:
                         target, part = name.replace(f".{fragment}.", f".{packed_fragment}."), part_id
                         break
-                param = params.get(target)
-                if param is None:
+                if target not in params:
                     raise ValueError(f"checkpoint tensor {name!r} in {file.name} matches no model parameter")
+                param, loader = params[target]
                 tensor = f.get_tensor(name)
-                loader = getattr(param, "weight_loader", copy_whole)
                 if part is None:
                     loader(param, tensor)
                 else:
@@ -58,9 +71,10 @@ def load_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     """Random weights for benchmarks: small uniform values keep activations finite in low precision; norms 1.
 
     Every rank draws each parameter's full (unsharded) tensor in the same order from the same seed and loads it
-    through the parameter's `weight_loader`, like a checkpoint tensor: each rank holds its shard of one model, and
+    through its layer's `weight_loader`, like a checkpoint tensor: each rank holds its shard of one model, and
     every tensor-parallel size runs the same model."""
     generators: dict[torch.device, torch.Generator] = {}
+    loaders = parameter_loaders(model)
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
             param.fill_(1.0)
@@ -69,7 +83,7 @@ def load_dummy_weights(model: nn.Module, seed: int = 0) -> None:
             generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
         full = torch.empty(getattr(param, "full_shape", param.shape), dtype=param.dtype, device=param.device)
         full.uniform_(-0.05, 0.05, generator=generators[param.device])
-        loader = getattr(param, "weight_loader", copy_whole)
+        loader = loaders[name][1]
         parts = getattr(param, "packed_parts", None)
         if parts is None:
             loader(param, full)

@@ -176,7 +176,8 @@ class ModelRunner:
         return self._profile_gpu_kv_blocks()
 
     def _profile_gpu_kv_blocks(self) -> int:
-        """docs/ARCHITECTURE.md, KV budget: warm up at the largest token batch, then give the cache what the memory budget leaves."""
+        """Warm up at the largest token batch, then give the cache what the memory budget leaves (docs/ARCHITECTURE.md,
+        KV budget)."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         self._warmup_forward()
