@@ -13,6 +13,7 @@ from typing import Annotated
 import typer
 
 from nanovllm_cli import options as o
+from nanovllm_cli.options import EngineOptions, with_engine_options
 
 WORKLOAD = "Workload"
 
@@ -57,12 +58,10 @@ def warmup_workload(llm, seed: int) -> Workload:
     """A full batch of short prompts (whole prefill chunks) whose decode steps pass every CUDA graph size once,
     largest first: first-use costs (a graph's first launch, Triton compiling a kernel variant) must not land in
     whichever loop is measured first."""
-    from nanovllm.runner.cuda_graphs import batch_size_ladder
-
-    sizes = batch_size_ladder(llm._runner.max_batch_size)
+    sizes = list(llm.info.decode_batch_sizes)
     # Requests of output length n decode n - 1 times; at decode step d exactly sizes[-d] of them are running.
     output_lens = [len(sizes) + 1 - i for i, size in enumerate(sizes) for _ in range(size - ([0] + sizes)[i])]
-    prompts = synthetic_workload(len(output_lens), (16, 64), (1, 1), llm.hf_config.vocab_size, seed + 1).prompts
+    prompts = synthetic_workload(len(output_lens), (16, 64), (1, 1), llm.info.vocab_size, seed + 1).prompts
     return Workload(prompts, output_lens)
 
 
@@ -80,9 +79,10 @@ def run_workload(llm, workload: Workload, label: str, show_progress: bool) -> di
         task = progress.add_task(label, total=len(workload.prompts))
         while llm.has_unfinished_requests():
             progress.advance(task, len(llm.step()))
-    return llm.get_stats()
+    return llm.report()["steps"]
 
 
+@with_engine_options()
 def bench(
     num_seqs: Annotated[int, typer.Option(help="Synthetic requests.", rich_help_panel=WORKLOAD)] = 256,
     input_len_range: Annotated[tuple[int, int], typer.Option(
@@ -99,63 +99,39 @@ def bench(
         "--compare", help="Run the sync and the async loop on the same workload and engine, and compare.")] = False,
     warmup: Annotated[bool, typer.Option(help="A warm-up run before each measured one.")] = True,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
-    model: o.Model = None,
-    dtype: o.Dtype = None,
-    max_model_len: o.MaxModelLen = None,
-    max_num_seqs: o.MaxNumSeqs = None,
-    max_num_batched_tokens: o.MaxNumBatchedTokens = None,
-    gpu_memory_utilization: o.GpuMemoryUtilization = None,
-    tensor_parallel_size: o.TensorParallelSize = None,
-    enforce_eager: o.EnforceEager = False,
-    no_fused_ops: o.NoFusedOps = False,
-    load_format: o.LoadFormat = None,
-    block_size: o.BlockSize = None,
-    no_prefix_caching: o.NoPrefixCaching = False,
-    async_scheduling: o.Async = False,
-    num_kv_blocks: o.NumKvBlocks = None,
-    kv_cache_gib: o.KvCacheGib = None,
-    device: o.Device = None,
-    attention_backend: o.AttentionBackend = None,
+    *,
+    engine: EngineOptions,
 ) -> None:
     """Measure offline throughput: by default 256 requests of random tokens, prompt and output lengths uniform in
     [100, 1024], EOS ignored, greedy. `--compare` runs both step loops on one engine; `--json` for machines."""
     import torch
     from rich.console import Console
 
-    from nanovllm_cli.roofline import measure_ceilings, model_costs, roofline_seconds
+    from nanovllm_cli.roofline import measure_ceilings, roofline_seconds
 
     for name, (lo, hi) in (("--input-len-range", input_len_range), ("--output-len-range", output_len_range)):
         if not 1 <= lo <= hi:
             raise o.fail(f"{name} needs 1 <= LO <= HI, got {lo} {hi}")
-    llm = o.load_llm(model, o.engine_args(
-        dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens, gpu_memory_utilization=gpu_memory_utilization,
-        tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager, no_fused_ops=no_fused_ops,
-        load_format=load_format,
-        block_size=block_size, no_prefix_caching=no_prefix_caching, async_scheduling=async_scheduling,
-        num_kv_blocks=num_kv_blocks, kv_cache_gib=kv_cache_gib, device=device,
-        attention_backend=attention_backend))
+    llm = o.load_llm(engine)
     console = Console(stderr=True)
+    info = llm.info
     try:
         if dataset is not None:
             workload = dataset_workload(llm, dataset, max_tokens)
         else:
-            workload = synthetic_workload(num_seqs, input_len_range, output_len_range, llm.hf_config.vocab_size, seed)
+            workload = synthetic_workload(num_seqs, input_len_range, output_len_range, info.vocab_size, seed)
         too_long = [i for i, (p, n) in enumerate(zip(workload.prompt_lens, workload.output_lens))
-                    if p + n > llm.max_model_len]
+                    if p + n > info.max_model_len]
         if too_long:
-            raise o.fail(f"{len(too_long)} requests exceed max_model_len={llm.max_model_len} (e.g. request "
+            raise o.fail(f"{len(too_long)} requests exceed max_model_len={info.max_model_len} (e.g. request "
                          f"{too_long[0]}): shorten the ranges or raise --max-model-len")
 
-        runner = llm._runner
-        cuda_graphs = runner.graphs is not None  # read now: exit() releases the runner
-        on_gpu = runner.device.type == "cuda"
-        ceilings = measure_ceilings(runner.device) if on_gpu else None
-        costs = model_costs(llm.hf_config, runner.model, runner.dtype)
-        roofline_s = (roofline_seconds(costs, workload.prompt_lens, workload.output_lens, llm.config.max_num_seqs,
+        on_gpu = info.device.startswith("cuda")
+        ceilings = measure_ceilings(torch.device(info.device)) if on_gpu else None
+        roofline_s = (roofline_seconds(info.costs, workload.prompt_lens, workload.output_lens, info.max_num_seqs,
                                        ceilings) if ceilings else None)
 
-        modes = [False, True] if compare else [async_scheduling]
+        modes = [False, True] if compare else [engine.async_scheduling]
         results = {}
         for overlap in modes:
             label = "async" if overlap else "sync"
@@ -170,17 +146,17 @@ def bench(
         llm.exit()
 
     report = {
-        "model": llm.model_name,
+        "model": info.model,
         "device": ceilings.name if ceilings else "cpu",
         "workload": {"requests": len(workload.prompts), "prompt_tokens": sum(workload.prompt_lens),
                      "output_tokens": sum(workload.output_lens),
                      "source": str(dataset) if dataset else {"input_len_range": list(input_len_range),
                                                              "output_len_range": list(output_len_range),
                                                              "seed": seed}},
-        "engine": {"block_size": llm.config.block_size, "max_num_seqs": llm.config.max_num_seqs,
-                   "max_num_batched_tokens": llm.config.max_num_batched_tokens,
-                   "num_kv_blocks": llm._block_manager.num_blocks, "cuda_graphs": cuda_graphs,
-                   "attention_backend": runner.attention_backend, "torch": torch.__version__},
+        "engine": {"block_size": info.block_size, "max_num_seqs": info.max_num_seqs,
+                   "max_num_batched_tokens": info.max_num_batched_tokens, "num_kv_blocks": info.num_kv_blocks,
+                   "cuda_graphs": info.cuda_graphs, "attention_backend": info.attention_backend,
+                   "torch": torch.__version__},
         "ceilings": ({"copy_bytes_per_s": ceilings.copy_bytes_per_s,
                       "matmul_bf16_flops_per_s": ceilings.matmul_flops_per_s} if ceilings else None),
         "modes": results,

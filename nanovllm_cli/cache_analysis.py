@@ -1,30 +1,18 @@
 """What the KV / prefix cache will do with a set of tokenized prompts, without running a model.
 
-The prompts are replayed through the engine's own BlockManager one row at a time (admitted with their prefix
-hits, fully computed, hashed, freed), once in file order and once in the prefix-aware order `run` admits by
-default. Output tokens are not modelled (their lengths are unknown before the run), so the hit figures are
-those of the prompts alone, for a cache of `num_blocks` blocks with one row in it at a time.
+The prompts are replayed through the engine's own block manager (`PrefixCacheReplay`) one row at a time,
+once in file order and once in the prefix-aware order `run` admits by default. Output tokens are not
+modelled (their lengths are unknown before the run), so the hit figures are those of the prompts alone,
+for a cache of `num_blocks` blocks with one row in it at a time.
 """
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
 
-from nanovllm import SamplingParams
-from nanovllm.engine.block_manager import NO_HASH, BlockManager, compute_block_hash
-from nanovllm.engine.sequence import Sequence
+from nanovllm import PrefixCacheReplay, block_hashes
 from nanovllm_cli.admission import admission_groups
 from nanovllm_cli.rows import RowRequest
-
-
-def block_hashes(token_ids: list[int], block_size: int) -> list[int]:
-    """Chained hashes of the full blocks, by the engine's own hash function."""
-    hashes = []
-    prefix = NO_HASH
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        prefix = compute_block_hash(prefix, token_ids[start:start + block_size])
-        hashes.append(prefix)
-    return hashes
 
 
 @dataclass
@@ -72,31 +60,6 @@ class PrefixTree:
         return [t for block in reversed(blocks) for t in block]
 
 
-class CacheReplay:
-    """Rows through the engine's BlockManager, one at a time."""
-
-    def __init__(self, num_blocks: int, block_size: int):
-        self.manager = BlockManager(num_blocks, block_size, enable_prefix_caching=True)
-        self.rows_not_fitting = 0
-
-    def add(self, token_ids: list[int]) -> None:
-        bm = self.manager
-        seq = Sequence(0, "replay", token_ids, SamplingParams(max_tokens=1), 0)
-        if not bm.admit(seq, seq.num_tokens):
-            self.rows_not_fitting += 1  # the prompt alone is larger than the whole cache
-            return
-        num_new = seq.num_uncomputed_tokens
-        seq.start_step(num_new, samples=False)
-        seq.commit_step(num_new, None)
-        bm.commit_computed_blocks(seq)
-        bm.free(seq)
-
-    def report(self) -> dict:
-        stats = self.manager.stats
-        return {"hit_tokens": stats.hit_tokens, "hit_rate": stats.hit_rate, "evictions": stats.evictions,
-                "rows_not_fitting": self.rows_not_fitting}
-
-
 def histogram(lengths: Counter[int]) -> list[dict]:
     """Rows per prompt-length bucket: 1-16, 17-32, 33-64, ... from the first non-empty bucket to the last."""
     buckets = []
@@ -120,8 +83,8 @@ class CacheAnalysis:
         self.blocks_needed = 0
         self.partial_blocks = 0
         self.tree = PrefixTree(block_size)
-        self.file_order = CacheReplay(num_blocks, block_size)
-        self.prefix_aware = CacheReplay(num_blocks, block_size)
+        self.file_order = PrefixCacheReplay(num_blocks, block_size)
+        self.prefix_aware = PrefixCacheReplay(num_blocks, block_size)
         self.pending: list[RowRequest] = []
 
     def add(self, request: RowRequest) -> None:

@@ -3,34 +3,29 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 
 from nanovllm_cli import options as o
-
-if TYPE_CHECKING:
-    from nanovllm.config import EngineConfig
+from nanovllm_cli.options import EngineOptions, with_engine_options
 
 
+@with_engine_options("model", "block_size", "kv_cache_gib", "gpu_memory_utilization", "dtype", "device",
+                     "max_model_len")
 def inspect_cache(
     input_path: Annotated[Path, typer.Argument(
         metavar="INPUT", help="Rows, as for `run`: .jsonl or .parquet.", exists=True, dir_okay=False,
         readable=True)],
     input_format: Annotated[str | None, typer.Option(help="jsonl | parquet (default: from the suffix).")] = None,
-    model: o.Model = None,
-    block_size: Annotated[int, typer.Option(help="KV-cache block size in tokens.")] = 16,
     num_blocks: Annotated[int | None, typer.Option(
         help="Cache size in blocks (default: what the configured memory would give).", min=1)] = None,
-    kv_cache_gib: o.KvCacheGib = None,
-    gpu_memory_utilization: o.GpuMemoryUtilization = None,
-    dtype: o.Dtype = None,
-    device: o.Device = None,
-    max_model_len: o.MaxModelLen = None,
     window: Annotated[int, typer.Option(help="`run`'s read-ahead window, which prefix-aware order sorts.",
                                         min=1)] = 1024,
     top: Annotated[int, typer.Option(help="How many shared prefixes to list.", min=0)] = 5,
     json_out: Annotated[bool, typer.Option("--json", help="Print the report as one JSON object on stdout.")] = False,
+    *,
+    engine: EngineOptions,
 ) -> None:
     """Dry run of the KV and prefix cache over INPUT: needs the model's config and tokenizer, no weights, no GPU.
 
@@ -40,9 +35,7 @@ def inspect_cache(
     each order, bytes per block, the most shared prefixes and a prompt-length histogram. Rows that `run` would
     reject are counted as failed. Exit code 0, or 2 for a usage error.
     """
-    from nanovllm import PromptTokenizer
-    from nanovllm.config import EngineConfig
-    from nanovllm.loaders import resolve_model
+    from nanovllm import plan_kv_cache
     from nanovllm_cli.cache_analysis import CacheAnalysis
     from nanovllm_cli.readers import detect_format
     from nanovllm_cli.rows import RowError, RowParser
@@ -50,19 +43,16 @@ def inspect_cache(
 
     try:
         fmt = detect_format(input_path, input_format)
-        config = EngineConfig.from_kwargs(**o.engine_args(
-            block_size=block_size, dtype=dtype, device=device, kv_cache_gib=kv_cache_gib,
-            gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len, load_format="dummy"))
-        resolved = resolve_model(model, config.load_format)
-        prompts = PromptTokenizer.for_model(resolved)
-        memory = cache_memory(config, resolved.hf_config, num_blocks)
+        plan = plan_kv_cache(engine.model, num_blocks, **engine.args())
     except (ValueError, OSError) as exc:
         raise o.fail(str(exc)) from None
 
-    hf = resolved.hf_config
-    limit = config.max_model_len or hf.max_position_embeddings
+    prompts, limit = plan.prompts, plan.max_model_len
+    memory = {"block_size": plan.block_size, "dtype_bytes": plan.dtype_bytes, "bytes_per_block": plan.bytes_per_block,
+              "num_blocks": plan.num_blocks, "num_blocks_source": plan.num_blocks_source,
+              "cache_bytes": plan.cache_bytes}
     parser = RowParser({}, 0, "row" if fmt == "parquet" else "line")
-    analysis = CacheAnalysis(block_size, memory["num_blocks"], window)
+    analysis = CacheAnalysis(plan.block_size, memory["num_blocks"], window)
     rows = 0
     errors: list[str] = []
     for row in tokenized_rows(input_path, fmt, parser, prompts):
@@ -74,7 +64,7 @@ def inspect_cache(
             continue
         analysis.add(row)
 
-    report = {"input": str(input_path), "model": resolved.name, **memory, "rows": rows,
+    report = {"input": str(input_path), "model": plan.model, **memory, "rows": rows,
               "rows_ok": rows - len(errors), "rows_failed": len(errors), "errors": errors[:10],
               **analysis.report(top)}
     for prefix in report["top_prefixes"]:
@@ -83,31 +73,6 @@ def inspect_cache(
         typer.echo(json.dumps(report))
     else:
         print_report(report)
-
-
-def cache_memory(config: EngineConfig, hf: object, num_blocks: int | None) -> dict:
-    """Bytes per KV block and the number of blocks: given, or what the engine's memory budget would give."""
-    import torch
-
-    from nanovllm.models.llama import kv_block_bytes
-
-    device = config.resolve_device()
-    itemsize = config.resolve_dtype(device).itemsize
-    bytes_per_block = kv_block_bytes(hf, config.block_size, itemsize, hf.num_key_value_heads)
-    if num_blocks is not None:
-        source = "--num-blocks"
-    elif device.type == "cpu":
-        num_blocks, source = config.cpu_kv_cache_bytes // bytes_per_block, "the CPU KV budget (--kv-cache-gib)"
-    else:
-        from nanovllm.models.llama import LlamaForCausalLM
-
-        with torch.device("meta"):
-            weights = sum(p.numel() for p in LlamaForCausalLM(hf).parameters()) * itemsize
-        total = torch.cuda.get_device_properties(device).total_memory
-        num_blocks = max(int(total * config.gpu_memory_utilization - weights) // bytes_per_block, 1)
-        source = "GPU memory x gpu_memory_utilization - weights (activations not counted: an upper bound)"
-    return {"block_size": config.block_size, "dtype_bytes": itemsize, "bytes_per_block": bytes_per_block,
-            "num_blocks": num_blocks, "num_blocks_source": source, "cache_bytes": num_blocks * bytes_per_block}
 
 
 def prefix_text(token_ids: list[int], tokenizer: object | None, words: int = 12) -> str:

@@ -1,12 +1,13 @@
-"""Options shared by the commands (engine arguments named as in vLLM), exit codes and clean failures.
-
-A command declares its options with these aliases and passes them to `engine_args(...)`, which keeps only the
-ones given, so the engine's own defaults apply to the rest.
-"""
+"""Options shared by the commands (the engine's, declared once in `EngineOptions`), exit codes and clean
+failures."""
 from __future__ import annotations
 
+import inspect
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, fields
 from enum import IntEnum
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, get_type_hints
 
 import typer
 
@@ -25,41 +26,95 @@ class ExitCode(IntEnum):
     INTERRUPTED = 130  # Ctrl-C or SIGTERM; what was written stays, rerun with --resume
 
 
-Model = Annotated[str | None, typer.Option(
-    "--model", "-m", help="HF checkpoint dir, .gguf file or preset (qwen3-0.6b, tiny-qwen3, ...). "
-    "Default: the embedded SmolLM2-135M-Instruct.", rich_help_panel=ENGINE)]
-Dtype = Annotated[str | None, typer.Option(
-    help="auto | float32 | float16 | bfloat16 (auto: bf16 on GPU, fp32 on CPU).", rich_help_panel=ENGINE)]
-MaxModelLen = Annotated[int | None, typer.Option(
-    help="Longest prompt + output, in tokens (default: the model's limit).", rich_help_panel=ENGINE)]
-MaxNumSeqs = Annotated[int | None, typer.Option(
-    help="Most sequences in a step; also the most rows in the engine at once.", rich_help_panel=ENGINE)]
-MaxNumBatchedTokens = Annotated[int | None, typer.Option(help="Token budget per step.", rich_help_panel=ENGINE)]
-GpuMemoryUtilization = Annotated[float | None, typer.Option(
-    help="Share of GPU memory the engine may use (weights + KV cache).", rich_help_panel=ENGINE)]
-TensorParallelSize = Annotated[int | None, typer.Option(
-    "--tensor-parallel-size", "-tp", help="GPUs to shard the model over.", rich_help_panel=ENGINE)]
-EnforceEager = Annotated[bool, typer.Option("--enforce-eager", help="No CUDA graphs.", rich_help_panel=ENGINE)]
-NoFusedOps = Annotated[bool, typer.Option(
-    "--no-fused-ops", help="RMSNorm, rotary, SiLU as torch ops and every projection on cuBLAS, not Triton kernels (CUDA).",
-    rich_help_panel=ENGINE)]
-LoadFormat = Annotated[str | None, typer.Option(
-    help="auto | dummy (random weights, for testing).", rich_help_panel=ENGINE)]
-BlockSize = Annotated[int | None, typer.Option(help="KV-cache block size in tokens (default 16).",
-                                               rich_help_panel=ENGINE)]
-NoPrefixCaching = Annotated[bool, typer.Option(
-    "--no-prefix-caching", help="Disable the prefix cache.", rich_help_panel=ENGINE)]
-Async = Annotated[bool, typer.Option(
-    "--async", help="Asynchronous scheduling: the host prepares step n+1 while the GPU runs step n.",
-    rich_help_panel=ENGINE)]
-NumKvBlocks = Annotated[int | None, typer.Option(
-    help="Exact number of KV blocks (instead of sizing the cache from memory).", rich_help_panel=ENGINE)]
-KvCacheGib = Annotated[float | None, typer.Option(
-    help="KV-cache budget on the CPU, in GiB (default 1).", rich_help_panel=ENGINE)]
-Device = Annotated[str | None, typer.Option(help="cpu | cuda (default: cuda when available).",
-                                            rich_help_panel=ENGINE)]
-AttentionBackend = Annotated[str | None, typer.Option(
-    help="torch | triton | flash-attn (default: the best available).", rich_help_panel=ENGINE)]
+@dataclass(frozen=True)
+class EngineOptions:
+    """The engine's options, declared once (named as vLLM's engine arguments). A command takes them with
+    `@with_engine_options(...)` and receives them as one `engine: EngineOptions` argument."""
+
+    model: Annotated[str | None, typer.Option(
+        "--model", "-m", help="HF checkpoint dir, .gguf file or preset (qwen3-0.6b, tiny-qwen3, ...). "
+        "Default: the embedded SmolLM2-135M-Instruct.", rich_help_panel=ENGINE)] = None
+    dtype: Annotated[str | None, typer.Option(
+        help="auto | float32 | float16 | bfloat16 (auto: bf16 on GPU, fp32 on CPU).", rich_help_panel=ENGINE)] = None
+    max_model_len: Annotated[int | None, typer.Option(
+        help="Longest prompt + output, in tokens (default: the model's limit).", rich_help_panel=ENGINE)] = None
+    max_num_seqs: Annotated[int | None, typer.Option(
+        help="Most sequences in a step; also the most rows in the engine at once.", rich_help_panel=ENGINE)] = None
+    max_num_batched_tokens: Annotated[int | None, typer.Option(
+        help="Token budget per step.", rich_help_panel=ENGINE)] = None
+    gpu_memory_utilization: Annotated[float | None, typer.Option(
+        help="Share of GPU memory the engine may use (weights + KV cache).", rich_help_panel=ENGINE)] = None
+    tensor_parallel_size: Annotated[int | None, typer.Option(
+        "--tensor-parallel-size", "-tp", help="GPUs to shard the model over.", rich_help_panel=ENGINE)] = None
+    enforce_eager: Annotated[bool, typer.Option(
+        "--enforce-eager", help="No CUDA graphs.", rich_help_panel=ENGINE)] = False
+    no_fused_ops: Annotated[bool, typer.Option(
+        "--no-fused-ops", help="RMSNorm, rotary, SiLU as torch ops and every projection on cuBLAS, not Triton "
+        "kernels (CUDA).", rich_help_panel=ENGINE)] = False
+    load_format: Annotated[str | None, typer.Option(
+        help="auto | dummy (random weights, for testing).", rich_help_panel=ENGINE)] = None
+    block_size: Annotated[int | None, typer.Option(
+        help="KV-cache block size in tokens (default 16).", rich_help_panel=ENGINE)] = None
+    no_prefix_caching: Annotated[bool, typer.Option(
+        "--no-prefix-caching", help="Disable the prefix cache.", rich_help_panel=ENGINE)] = False
+    async_scheduling: Annotated[bool, typer.Option(
+        "--async", help="Asynchronous scheduling: the host prepares step n+1 while the GPU runs step n.",
+        rich_help_panel=ENGINE)] = False
+    num_kv_blocks: Annotated[int | None, typer.Option(
+        help="Exact number of KV blocks (instead of sizing the cache from memory).", rich_help_panel=ENGINE)] = None
+    kv_cache_gib: Annotated[float | None, typer.Option(
+        help="KV-cache budget on the CPU, in GiB (default 1).", rich_help_panel=ENGINE)] = None
+    device: Annotated[str | None, typer.Option(
+        help="cpu | cuda (default: cuda when available).", rich_help_panel=ENGINE)] = None
+    attention_backend: Annotated[str | None, typer.Option(
+        help="torch | triton | flash-attn (default: the best available).", rich_help_panel=ENGINE)] = None
+
+    def args(self, seed: int | None = None) -> dict:
+        """The keyword arguments of `LLM(model, **args)`: only the options given, so the engine's own defaults
+        apply to the rest. Raises ValueError naming the option for a value only the CLI can judge."""
+        if self.kv_cache_gib is not None and not (math.isfinite(self.kv_cache_gib) and self.kv_cache_gib > 0):
+            raise ValueError(f"--kv-cache-gib must be a positive number of GiB, not {self.kv_cache_gib}")
+        args = {"dtype": self.dtype, "max_model_len": self.max_model_len, "max_num_seqs": self.max_num_seqs,
+                "max_num_batched_tokens": self.max_num_batched_tokens,
+                "gpu_memory_utilization": self.gpu_memory_utilization,
+                "tensor_parallel_size": self.tensor_parallel_size, "load_format": self.load_format,
+                "block_size": self.block_size, "num_kv_blocks": self.num_kv_blocks, "device": self.device,
+                "attention_backend": self.attention_backend, "seed": seed,
+                "cpu_kv_cache_bytes": None if self.kv_cache_gib is None else max(int(self.kv_cache_gib * (1 << 30)), 1),
+                "enforce_eager": self.enforce_eager or None,
+                "fused_ops": False if self.no_fused_ops else None,
+                "enable_prefix_caching": False if self.no_prefix_caching else None,
+                "async_scheduling": self.async_scheduling or None}
+        return {k: v for k, v in args.items() if v is not None}
+
+
+def with_engine_options(*names: str) -> Callable[[Callable], Callable]:
+    """Add the engine options `names` (every one when none are named) to a typer command's parameters; the
+    command receives them as `engine: EngineOptions` (options not named keep their defaults)."""
+    hints = get_type_hints(EngineOptions, include_extras=True)
+    defaults = {f.name: f.default for f in fields(EngineOptions)}
+    unknown = set(names) - set(defaults)
+    if unknown:
+        raise ValueError(f"not engine options: {sorted(unknown)}")
+    chosen = names or tuple(defaults)
+
+    def decorate(command: Callable) -> Callable:
+        own = inspect.signature(command, eval_str=True)
+        params = [p for p in own.parameters.values() if p.name != "engine"]
+        params += [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=defaults[n], annotation=hints[n])
+                   for n in chosen]
+
+        def command_with_engine_options(**kwargs):
+            engine = EngineOptions(**{n: kwargs.pop(n) for n in chosen})
+            return command(engine=engine, **kwargs)
+
+        command_with_engine_options.__name__ = command.__name__
+        command_with_engine_options.__doc__ = command.__doc__
+        command_with_engine_options.__signature__ = own.replace(parameters=params)
+        return command_with_engine_options
+
+    return decorate
+
 
 Seed = Annotated[int, typer.Option(
     help="Engine seed. A row without its own seed samples with a seed derived from this and its id, so its "
@@ -76,38 +131,21 @@ IgnoreEos = Annotated[bool, typer.Option("--ignore-eos", help="Keep generating p
                                          rich_help_panel=SAMPLING)]
 
 
-def engine_args(*, dtype: str | None = None, max_model_len: int | None = None, max_num_seqs: int | None = None,
-                max_num_batched_tokens: int | None = None, gpu_memory_utilization: float | None = None,
-                tensor_parallel_size: int | None = None, enforce_eager: bool = False, no_fused_ops: bool = False,
-                load_format: str | None = None, block_size: int | None = None, no_prefix_caching: bool = False,
-                async_scheduling: bool = False, num_kv_blocks: int | None = None,
-                kv_cache_gib: float | None = None, device: str | None = None,
-                attention_backend: str | None = None, seed: int | None = None) -> dict:
-    """The keyword arguments of `LLM(model, **engine_args(...))`: only the options given on the command line."""
-    args = {"dtype": dtype, "max_model_len": max_model_len, "max_num_seqs": max_num_seqs,
-            "max_num_batched_tokens": max_num_batched_tokens, "gpu_memory_utilization": gpu_memory_utilization,
-            "tensor_parallel_size": tensor_parallel_size, "load_format": load_format, "block_size": block_size,
-            "num_kv_blocks": num_kv_blocks, "device": device, "attention_backend": attention_backend,
-            "seed": seed,
-            "cpu_kv_cache_bytes": None if kv_cache_gib is None else int(kv_cache_gib * (1 << 30)),
-            "enforce_eager": enforce_eager or None,
-            "fused_ops": False if no_fused_ops else None,
-            "enable_prefix_caching": False if no_prefix_caching else None,
-            "async_scheduling": async_scheduling or None}
-    return {k: v for k, v in args.items() if v is not None}
-
-
 def fail(message: str) -> typer.Exit:
     """Print a one-line error on stderr and return the usage-error Exit to raise (no traceback)."""
     typer.echo(f"error: {message}", err=True)
     return typer.Exit(ExitCode.USAGE)
 
 
-def load_llm(model: str | None, args: dict) -> LLM:
-    """LLM(model, **args), or a clean usage error when the model cannot be loaded with these arguments."""
+def load_llm(engine: EngineOptions, seed: int | None = None) -> LLM:
+    """The engine these options describe, or a clean usage error when it cannot be loaded with them."""
     from nanovllm import LLM
 
     try:
-        return LLM(model, **args)
+        args = engine.args(seed)
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+    try:
+        return LLM(engine.model, **args)
     except (ValueError, OSError, ImportError, RuntimeError, KeyError) as exc:
         raise fail(f"cannot load the model: {exc}") from None

@@ -2,9 +2,9 @@
 
 Decode steps must read the weights once and every sequence's whole KV context; prefill must do the matmul
 FLOPs of every prompt token. The ceilings are measured on the device at the start of the run (a large copy,
-counting bytes read plus written, and a large bf16 matmul), as METHOD.md asks. Under tensor parallelism the costs
-are one rank's (its weight shard, its KV heads, its attention heads): every rank does an equal share at once, so
-the bound is one device's share over one device's ceilings."""
+counting bytes read plus written, and a large bf16 matmul). The costs (`LLM.info.costs`) are one rank's (its
+weight shard, its KV heads, its attention heads): every rank does an equal share at once, so the
+bound is one device's share over one device's ceilings."""
 from __future__ import annotations
 
 import math
@@ -12,31 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanovllm.distributed import tp_size
-from nanovllm.models.llama import head_dim_of, kv_block_bytes, kv_heads_per_rank
-
-
-@dataclass
-class ModelCosts:
-    kv_bytes_per_token: int  # K and V of one token over all layers (this rank's heads)
-    weight_bytes_per_step: int  # weights a step reads (the embedding table only gathers rows; this rank's shard)
-    flops_per_token: int  # matmul FLOPs of one token through this rank's shard, logits included
-    attention_flops_per_pair: int  # QK^T and PV FLOPs of one (query, key) pair over all layers (this rank's heads)
-
-
-def model_costs(hf_config, model: torch.nn.Module, dtype: torch.dtype) -> ModelCosts:
-    head_dim = head_dim_of(hf_config)
-    layers = hf_config.num_hidden_layers
-    kv = kv_block_bytes(hf_config, 1, dtype.itemsize, kv_heads_per_rank(hf_config))  # a block of one token
-    unique = {p.data_ptr(): p for p in model.parameters()}.values()
-    embedding = model.model.embed_tokens.weight
-    tied = model.lm_head.weight.data_ptr() == embedding.data_ptr()
-    matmul_params = sum(p.numel() for p in unique if p.dim() == 2) - (0 if tied else embedding.numel())
-    weight_bytes = sum(p.numel() * p.element_size() for p in unique)
-    if not tied:
-        weight_bytes -= embedding.numel() * embedding.element_size()
-    return ModelCosts(kv, weight_bytes, 2 * matmul_params,
-                     4 * layers * hf_config.num_attention_heads // tp_size() * head_dim)
+from nanovllm import CostModel
 
 
 @dataclass
@@ -80,7 +56,7 @@ def measure_ceilings(device: torch.device) -> DeviceCeilings:
                           2 * n ** 3 / matmul_ms * 1e3)
 
 
-def roofline_seconds(costs: ModelCosts, prompt_lens: list[int], output_lens: list[int], max_num_seqs: int,
+def roofline_seconds(costs: CostModel, prompt_lens: list[int], output_lens: list[int], max_num_seqs: int,
                      ceilings: DeviceCeilings) -> float:
     """Decode: each output token after the first (which prefill samples) reads its sequence's context of p + j
     tokens at step j; each step reads the weights, and

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from nanovllm_cli import options as o
-from nanovllm_cli.options import ExitCode
+from nanovllm_cli.options import EngineOptions, ExitCode, with_engine_options
 
 if TYPE_CHECKING:  # the engine imports torch: not needed for `--help`
     from nanovllm import LLM
@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # the engine imports torch: not needed for `--help`
 IO = "Input and output"
 
 
+@with_engine_options()
 def run(
     input_path: Annotated[Path, typer.Argument(
         metavar="INPUT", help="Rows to run: .jsonl or .parquet.", exists=True, dir_okay=False, readable=True)],
@@ -51,23 +52,6 @@ def run(
         "--json", help="Print the summary as one JSON object on stdout.", rich_help_panel=IO)] = False,
     log_interval: Annotated[float, typer.Option(
         help="Seconds between progress lines when stderr is not a terminal.", rich_help_panel=IO)] = 10.0,
-    model: o.Model = None,
-    dtype: o.Dtype = None,
-    max_model_len: o.MaxModelLen = None,
-    max_num_seqs: o.MaxNumSeqs = None,
-    max_num_batched_tokens: o.MaxNumBatchedTokens = None,
-    gpu_memory_utilization: o.GpuMemoryUtilization = None,
-    tensor_parallel_size: o.TensorParallelSize = None,
-    enforce_eager: o.EnforceEager = False,
-    no_fused_ops: o.NoFusedOps = False,
-    load_format: o.LoadFormat = None,
-    block_size: o.BlockSize = None,
-    no_prefix_caching: o.NoPrefixCaching = False,
-    async_scheduling: o.Async = False,
-    num_kv_blocks: o.NumKvBlocks = None,
-    kv_cache_gib: o.KvCacheGib = None,
-    device: o.Device = None,
-    attention_backend: o.AttentionBackend = None,
     max_tokens: o.MaxTokens = 64,
     temperature: o.Temperature = 0.0,
     top_p: o.TopP = 1.0,
@@ -76,6 +60,8 @@ def run(
     seed: o.Seed = 0,
     stop: o.Stop = None,
     ignore_eos: o.IgnoreEos = False,
+    *,
+    engine: EngineOptions,
 ) -> None:
     """Generate a completion for every row of INPUT, writing each result to OUTPUT as soon as it finishes.
 
@@ -126,14 +112,7 @@ def run(
     except (OutputError, OSError) as exc:
         raise o.fail(str(exc)) from None
 
-    llm = o.load_llm(model, o.engine_args(
-        dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens, gpu_memory_utilization=gpu_memory_utilization,
-        tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager, no_fused_ops=no_fused_ops,
-        load_format=load_format,
-        block_size=block_size, no_prefix_caching=no_prefix_caching, async_scheduling=async_scheduling,
-        num_kv_blocks=num_kv_blocks, kv_cache_gib=kv_cache_gib, device=device,
-        attention_backend=attention_backend, seed=seed))
+    llm = o.load_llm(engine, seed)
     parser = RowParser(defaults, seed, "row" if fmt == "parquet" else "line")
     rows = (parser.parse(number, row) for number, row in iter_rows(input_path, fmt))
     with llm:
@@ -165,7 +144,7 @@ def run_job(llm: LLM, rows: Iterable[RowRequest | RowError], rows_total: int, la
         raise o.fail(f"cannot write {output}: {exc}") from None
     stats = RunStats(rows_total=rows_total)
     display = ProgressDisplay(lambda: snapshot(stats, llm), quiet=quiet, log_interval=log_interval)
-    runner = BatchRunner(llm, writer, RecordBuilder(layout, llm.model_name), stats, window=window,
+    runner = BatchRunner(llm, writer, RecordBuilder(layout, llm.info.model), stats, window=window,
                          reorder=reorder, skip_ids=skip_ids, on_step=display.tick)
     code = ExitCode.OK
     previous_sigterm = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM ends it like Ctrl-C
@@ -196,22 +175,24 @@ def run_job(llm: LLM, rows: Iterable[RowRequest | RowError], rows_total: int, la
 def snapshot(stats: RunStats, llm: LLM) -> Snapshot:
     from nanovllm_cli.display import Snapshot
 
-    metrics = llm.get_metrics()
+    report = llm.report()
+    metrics = report["kv_cache"]
     elapsed = stats.elapsed_s
     return Snapshot(
         rows_done=stats.rows_done + stats.rows_skipped, rows_total=stats.rows_total, rows_failed=stats.rows_failed,
         rows_per_s=stats.rows_done / elapsed, output_tok_s=stats.completion_tokens / elapsed,
-        prefill_tok_s=llm.stats.prefill_tokens / elapsed, kv_cache_usage=metrics["kv_cache_usage"],
+        prefill_tok_s=report["steps"]["prefill_tok_s"] or 0.0, kv_cache_usage=metrics["kv_cache_usage"],
         prefix_hit_rate=metrics["prefix_cache"]["hit_rate"], elapsed_s=elapsed)
 
 
 def build_summary(stats: RunStats, llm: LLM, output: Path, layout: RecordLayout, code: ExitCode) -> dict:
     """Job figures over the job's wall clock, the engine's cache metrics and its honest step statistics."""
     elapsed = stats.elapsed_s
+    report = llm.report()
     return {
         "output": str(output),
         "output_format": "openai" if layout.openai else "plain",
-        "model": llm.model_name,
+        "model": llm.info.model,
         "rows_total": stats.rows_total,
         "rows_ok": stats.rows_ok,
         "rows_failed": stats.rows_failed,
@@ -223,8 +204,8 @@ def build_summary(stats: RunStats, llm: LLM, output: Path, layout: RecordLayout,
         "elapsed_s": elapsed,
         "rows_per_s": stats.rows_done / elapsed,
         "output_tok_s": stats.completion_tokens / elapsed,
-        "prefill_tok_s": llm.stats.prefill_tokens / elapsed,
+        "prefill_tok_s": report["steps"]["prefill_tok_s"] or 0.0,  # over the steps' wall clock
         "exit_code": int(code),
-        "kv_cache": llm.get_metrics(),
-        "engine": llm.get_stats(),
+        "kv_cache": report["kv_cache"],
+        "engine": report["steps"],
     }

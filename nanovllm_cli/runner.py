@@ -58,7 +58,9 @@ class BatchRunner:
         self.reorder = reorder
         self.skip_ids = skip_ids
         self.on_step = on_step
-        self.max_in_flight = llm.config.max_num_seqs
+        info = llm.info
+        self.max_in_flight = info.max_num_seqs
+        self.block_size = info.block_size
         self.seen: set[str] = set()
         self.in_flight: dict[str, RowRequest] = {}
         self.round = 0
@@ -70,7 +72,7 @@ class BatchRunner:
         while True:
             if not groups and not exhausted:
                 window, exhausted = self._read_window(rows)
-                groups = admission_groups(window, self.reorder, self.llm.config.block_size)
+                groups = admission_groups(window, self.reorder, self.block_size)
             groups = self._admit(groups)
             if not self.in_flight:
                 if exhausted and not groups:

@@ -16,7 +16,7 @@ from bench_setup import add_workload_arguments, warmed_up_engine
 
 from nanovllm import LLM
 from nanovllm_cli.bench import run_workload
-from nanovllm_cli.roofline import measure_ceilings, model_costs
+from nanovllm_cli.roofline import measure_ceilings
 
 DECODE_RANGES = ((1, 16), (17, 64), (65, 128), (129, 192), (193, 256))
 
@@ -48,7 +48,7 @@ def main() -> None:
     add_workload_arguments(parser)
     args = parser.parse_args()
     llm, workload = warmed_up_engine(args)
-    costs = model_costs(llm.hf_config, llm._runner.model, llm._runner.dtype)
+    costs = llm.info.costs
     ceilings = measure_ceilings(llm._runner.device)
     records: list = []
     record_steps(llm, records)

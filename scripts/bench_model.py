@@ -18,7 +18,7 @@ import torch
 
 from nanovllm import LLM
 from nanovllm.attention import AttentionMetadata
-from nanovllm_cli.roofline import measure_ceilings, median_cuda_ms, model_costs
+from nanovllm_cli.roofline import measure_ceilings, median_cuda_ms
 
 
 def batch_meta(llm: LLM, num_seqs: int, context: int, new_tokens: int) -> tuple[torch.Tensor, torch.Tensor,
@@ -58,7 +58,7 @@ def top_kernels(fn, count: int = 12) -> list[dict]:
 def measure(model_name: str, engine_args: dict, ceilings, profile: bool, decode_batches: list[int]) -> dict:
     llm = LLM(model_name, **engine_args)
     runner, model = llm._runner, llm._runner.model
-    costs = model_costs(llm.hf_config, model, runner.dtype)
+    costs = llm.info.costs
     report = {"block_size": runner.block_size, "fused_ops": engine_args["fused_ops"]}
 
     num_seqs, length = 8, 1024

@@ -3,11 +3,11 @@ import json
 
 from typer.testing import CliRunner
 
-from nanovllm import LLM
+from nanovllm import LLM, CostModel
 from nanovllm.runner.cuda_graphs import batch_size_ladder
 from nanovllm_cli.bench import run_workload, synthetic_workload, warmup_workload
 from nanovllm_cli.main import app
-from nanovllm_cli.roofline import DeviceCeilings, ModelCosts, model_costs, roofline_seconds
+from nanovllm_cli.roofline import DeviceCeilings, roofline_seconds
 
 MODE_KEYS = {"requests", "prompt_tokens", "output_tokens", "wall_s", "output_tok_s", "total_tok_s", "steps",
              "gpu_busy_s", "gpu_busy_frac", "cpu_schedule_s", "cpu_prepare_s", "cpu_postprocess_s", "ttft_p50_s",
@@ -55,7 +55,7 @@ def test_roofline_by_hand():
     KV tokens read by decode (a step writes its token, then attends to it too): A reads 4 once; B reads 2 then 3
     -> 9 tokens. Decode steps: 2 waves x
     (3 - 1) = 4. Prefill FLOPs: (3 + 1) tokens x 10 + causal pairs (6 + 1) x 2."""
-    costs = ModelCosts(kv_bytes_per_token=100, weight_bytes_per_step=1000, flops_per_token=10,
+    costs = CostModel(kv_bytes_per_token=100, weight_bytes_per_step=1000, flops_per_token=10,
                        attention_flops_per_pair=2)
     ceilings = DeviceCeilings("test", copy_bytes_per_s=1e4, matmul_flops_per_s=1e2)
     expected = (9 * 100 + 4 * 1000) / 1e4 + (4 * 10 + 7 * 2) / 1e2
@@ -67,11 +67,11 @@ def test_model_costs_are_one_ranks_share_under_tensor_parallelism():
     and MLP split evenly); its weight read is half the model's plus the norms, which every rank holds whole."""
     engine = {"load_format": "dummy", "max_model_len": 128, "cpu_kv_cache_bytes": 1 << 20}
     single = LLM("tiny-qwen3", **engine)
-    whole = model_costs(single.hf_config, single._runner.model, single._runner.dtype)
+    whole = single.info.costs
     norm_bytes = sum(p.numel() * p.element_size() for name, p in single._runner.model.named_parameters()
                      if "norm" in name)
     with LLM("tiny-qwen3", tensor_parallel_size=2, **engine) as llm:
-        share = model_costs(llm.hf_config, llm._runner.model, llm._runner.dtype)
+        share = llm.info.costs
     assert 2 * share.kv_bytes_per_token == whole.kv_bytes_per_token
     assert 2 * share.attention_flops_per_pair == whole.attention_flops_per_pair
     assert 2 * share.flops_per_token == whole.flops_per_token

@@ -334,8 +334,8 @@ def test_embedded_default_model_runs_the_sample_file(tmp_path):
 
 
 def test_engine_flags_map_to_engine_arguments():
-    from nanovllm_cli.options import engine_args
+    from nanovllm_cli.options import EngineOptions
 
-    assert engine_args() == {}
-    assert engine_args(no_fused_ops=True, enforce_eager=True, no_prefix_caching=True) == {
+    assert EngineOptions().args() == {}
+    assert EngineOptions(no_fused_ops=True, enforce_eager=True, no_prefix_caching=True).args() == {
         "fused_ops": False, "enforce_eager": True, "enable_prefix_caching": False}

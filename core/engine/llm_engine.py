@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from nanovllm.config import EngineConfig
 from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.info import EngineInfo, engine_info, engine_report
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.stats import EngineStats
@@ -147,6 +148,15 @@ class LLM:
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix, e.g. so that a benchmark's second pass starts cold."""
         self._block_manager.reset_prefix_cache()
+
+    @property
+    def info(self) -> EngineInfo:
+        """What this engine is: model, device, dtype, KV cache, batch limits and a roofline cost model."""
+        return engine_info(self)
+
+    def report(self) -> dict:
+        """`get_stats()` and `get_metrics()` in one dict: {"steps": ..., "kv_cache": ...}."""
+        return engine_report(self)
 
     def get_stats(self) -> dict:
         """Timing and throughput of the steps run since the engine started or `reset_stats`."""

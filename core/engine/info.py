@@ -1,0 +1,81 @@
+"""What an engine is and what it has measured, as plain data: the public surface that tools (the CLI, scripts)
+read instead of the engine's parts (runner, block manager, scheduler), which are free to change."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from nanovllm.distributed import tp_size
+from nanovllm.models.llama import head_dim_of, kv_block_bytes, kv_heads_per_rank
+from nanovllm.runner.cuda_graphs import batch_size_ladder
+
+if TYPE_CHECKING:
+    from nanovllm.engine.llm_engine import LLM
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """One rank's share of the work (its weight shard, its KV and attention heads), for a roofline."""
+
+    kv_bytes_per_token: int  # K and V of one token over all layers
+    weight_bytes_per_step: int  # weights a step reads (the embedding table only gathers rows)
+    flops_per_token: int  # matmul FLOPs of one token, logits included
+    attention_flops_per_pair: int  # QK^T and PV FLOPs of one (query, key) pair over all layers
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    model: str
+    vocab_size: int
+    device: str  # "cpu" | "cuda" | "cuda:N"
+    dtype: str  # "float32" | "float16" | "bfloat16"
+    tensor_parallel_size: int
+    attention_backend: str
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    block_size: int  # tokens per KV block
+    num_kv_blocks: int
+    kv_block_bytes: int  # one block, K and V over all layers, this rank's heads
+    max_batch_size: int  # most sequences in a decode step
+    decode_batch_sizes: tuple[int, ...]  # the batch sizes a decode step is padded to (its CUDA graphs' sizes)
+    cuda_graphs: bool  # whether decode steps replay CUDA graphs
+    prefix_caching: bool
+    costs: CostModel
+
+
+def model_costs(hf_config, model: torch.nn.Module, dtype: torch.dtype) -> CostModel:
+    """The cost model of this process's rank of `model` (a whole model when there is no tensor parallelism)."""
+    head_dim = head_dim_of(hf_config)
+    layers = hf_config.num_hidden_layers
+    kv = kv_block_bytes(hf_config, 1, dtype.itemsize, kv_heads_per_rank(hf_config))  # a block of one token
+    unique = {p.data_ptr(): p for p in model.parameters()}.values()
+    embedding = model.model.embed_tokens.weight
+    tied = model.lm_head.weight.data_ptr() == embedding.data_ptr()
+    matmul_params = sum(p.numel() for p in unique if p.dim() == 2) - (0 if tied else embedding.numel())
+    weight_bytes = sum(p.numel() * p.element_size() for p in unique)
+    if not tied:
+        weight_bytes -= embedding.numel() * embedding.element_size()
+    return CostModel(kv, weight_bytes, 2 * matmul_params,
+                     4 * layers * hf_config.num_attention_heads // tp_size() * head_dim)
+
+
+def engine_info(llm: LLM) -> EngineInfo:
+    runner, config = llm._runner, llm.config
+    return EngineInfo(
+        model=llm.model_name, vocab_size=llm.hf_config.vocab_size, device=str(runner.device),
+        dtype=str(runner.dtype).removeprefix("torch."), tensor_parallel_size=config.tensor_parallel_size,
+        attention_backend=runner.attention_backend, max_model_len=llm.max_model_len,
+        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+        block_size=config.block_size, num_kv_blocks=runner.num_kv_blocks,
+        kv_block_bytes=kv_block_bytes(llm.hf_config, config.block_size, runner.dtype.itemsize, runner.num_kv_heads),
+        max_batch_size=runner.max_batch_size, decode_batch_sizes=tuple(batch_size_ladder(runner.max_batch_size)),
+        cuda_graphs=runner.graphs is not None, prefix_caching=config.enable_prefix_caching,
+        costs=model_costs(llm.hf_config, runner.model, runner.dtype))
+
+
+def engine_report(llm: LLM) -> dict:
+    """The step statistics since the start or `reset_stats` and the KV-cache metrics, in one dict."""
+    return {"steps": llm.get_stats(), "kv_cache": llm.get_metrics()}
