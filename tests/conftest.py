@@ -14,14 +14,15 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests/helpers.py
 PRESETS = Path(__file__).resolve().parent.parent / "core" / "presets"
 
 
-def save_random_hf_model(preset: str, directory: Path, seed: int = 0, initializer_range: float = 0.15,
+def save_random_hf_model(preset: str | dict, directory: Path, seed: int = 0, initializer_range: float = 0.15,
                          dtype: torch.dtype = torch.float32, max_shard_size: str = "200KB") -> Path:
-    """A random-weight HF model of a preset's shape, saved as sharded safetensors (the loader's input).
+    """A random-weight HF model of a preset's shape (or of a config dict with its model_type), saved as sharded
+    safetensors (the loader's input).
 
     A wide init spreads the logits so that greedy choices are not near-ties that rounding could flip."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config_dict = json.loads((PRESETS / f"{preset}.json").read_text())
+    config_dict = dict(preset) if isinstance(preset, dict) else json.loads((PRESETS / f"{preset}.json").read_text())
     config_dict["initializer_range"] = initializer_range
     config = AutoConfig.for_model(**config_dict)
     torch.manual_seed(seed)
