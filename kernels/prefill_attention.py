@@ -107,6 +107,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, PAGE=page, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        WINDOW=window is not None, SOFTCAP=softcap is not None, num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch_args(q),
+        WINDOW=window is not None, SOFTCAP=softcap is not None, num_warps=config.num_warps,
+        num_stages=config.num_stages, **pdl_launch_args(q),
     )
     return out

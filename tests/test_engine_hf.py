@@ -1,7 +1,7 @@
 """End-to-end greedy decoding against HF transformers' own models, fp32 on the CPU (DESIGN §3-5, §8)."""
 import pytest
 import torch
-from conftest import save_random_hf_model
+from conftest import ARCH_CONFIGS
 from reference import hf_greedy, load_hf_model
 
 from nanovllm import LLM, SamplingParams
@@ -67,37 +67,9 @@ def test_second_run_hits_prefix_cache_with_identical_output(tiny_model_dirs, tin
 
 # ---- other architectures: Mistral, Gemma 2, Gemma 3, Phi-3, and the yarn / longrope rope types ------------------
 
-_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-             head_dim=16, vocab_size=512, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-             tie_word_embeddings=False)
-# Windows of 8 and 12 tokens: smaller than a 16-token block, so whole cached blocks fall out of them.
-ARCH_CONFIGS = {
-    "mistral": dict(_TINY, model_type="mistral", sliding_window=8),
-    "gemma2": dict(_TINY, model_type="gemma2", sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2,
-                   query_pre_attn_scalar=24, attn_logit_softcapping=2.0, final_logit_softcapping=4.0,
-                   tie_word_embeddings=True),
-    "gemma3": dict(_TINY, model_type="gemma3_text", sliding_window=8, sliding_window_pattern=2,
-                   query_pre_attn_scalar=24, final_logit_softcapping=6.0, tie_word_embeddings=True,
-                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
-                                    "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}),
-    # Longrope switches to its long factors at position 64, which the generated tokens cross (the prompts stay
-    # below it: there HF switches a whole forward pass at once, see layers/rotary.py).
-    "phi3-longrope": dict(_TINY, model_type="phi3", sliding_window=12, original_max_position_embeddings=64,
-                          rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.3, 1.7, 2.0],
-                                        "long_factor": [1.5, 3.0, 6.0, 9.0]},
-                          partial_rotary_factor=0.5),
-    "llama-yarn": dict(_TINY, model_type="llama", rope_scaling={"rope_type": "yarn", "factor": 8.0,
-                                                                "original_max_position_embeddings": 32}),
-}
 # Prompts longer than the windows, up to 60 tokens (below longrope's switch), three sharing a 40-token prefix.
 ARCH_SHARED = list(range(300, 340))
 ARCH_PROMPTS = [ARCH_SHARED + [7, 8, 9], list(range(100, 160)), ARCH_SHARED + list(range(20, 39)), [5, 6], ARCH_SHARED]
-
-
-@pytest.fixture(scope="module")
-def arch_model_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("arch-models")
-    return {arch: save_random_hf_model(config, root / arch) for arch, config in ARCH_CONFIGS.items()}
 
 
 @pytest.fixture(scope="module")
