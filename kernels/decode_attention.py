@@ -29,6 +29,9 @@ class DecodeConfig(NamedTuple):
     num_stages: int = 2
 
 
+WIDE_HEAD_DECODE = DecodeConfig(block_n=32)  # Gemma's 256-wide heads: half the keys per tile
+
+
 @triton.jit
 def _decode_kernel(q, k_cache, v_cache, out, part_out, part_lse, block_tables, seq_lens, qk_scale, window, softcap,
                    stride_qb, stride_qh, stride_ob, stride_oh,
@@ -114,7 +117,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     batch, num_heads, head_dim = q.shape
     num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
     assert num_heads % num_kv_heads == 0 and q.stride(-1) == 1 and k_cache.stride(-1) == v_cache.stride(-1) == 1
-    config = config or DecodeConfig()
+    config = config or (DecodeConfig() if head_dim <= 128 else WIDE_HEAD_DECODE)
     group = num_heads // num_kv_heads
     out = torch.empty_like(q) if out is None else out
     if num_splits > 1:

@@ -26,6 +26,10 @@ class PrefillConfig(NamedTuple):
     num_stages: int = 2
 
 
+# Gemma's 256-wide heads: half the rows and keys per tile keep the tiles within registers and shared memory.
+WIDE_HEAD_PREFILL = PrefillConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
+
+
 @triton.jit
 def _prefill_kernel(q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, qk_scale, window, softcap,
                     stride_qt, stride_qh, stride_ot, stride_oh,
@@ -94,7 +98,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     num_heads, head_dim = q.shape[1:]
     num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
     assert num_heads % num_kv_heads == 0 and q.stride(-1) == 1 and k_cache.stride(-1) == v_cache.stride(-1) == 1
-    config = config or PrefillConfig()
+    config = config or (PrefillConfig() if head_dim <= 128 else WIDE_HEAD_PREFILL)
     group = num_heads // num_kv_heads
     assert config.block_m >= group, "a tile must hold at least one token's query heads"
     out = torch.empty_like(q) if out is None else out

@@ -341,3 +341,21 @@ def test_gpu_decode_cuda_graph_replay(num_splits):
     graph.replay()
     assert_matches(out, paged_attention(batch.q.float(), batch.k_cache.float(), batch.v_cache.float(), batch.meta,
                                         batch.scale))
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("limits", [dict(window=4096), dict(window=1000, softcap=50.0), dict(window=128)],
+                         ids=["window4096", "window1000-cap50", "window128"])
+@pytest.mark.parametrize("heads", [QWEN3_06B, (8, 4, 256)], ids=["qwen3", "gemma-d256"])
+@pytest.mark.parametrize("kernel", ["prefill", "decode"])
+def test_gpu_window_softcap_real_shapes(kernel, heads, limits):
+    """Windows and soft-capping at real sizes in bf16, Gemma's 256-wide heads included (their own tile sizes)."""
+    if kernel == "prefill":
+        lens = [(5000, 1500), (16 * 7 + 3, 2048), (0, 1024), (1000, 1), (0, 2000), (4096 + 5, 841)]
+        run_prefill(Batch(lens, 16, *heads, torch.bfloat16, seed=16, share=True), **limits)
+    else:
+        context = [6000, 3000] + torch.randint(1, 8192, (30,), generator=torch.Generator().manual_seed(1)).tolist()
+        batch = Batch([(n - 1, 1) for n in context], 16, *heads, torch.bfloat16, seed=17, share=True)
+        for num_splits in (1, 8):
+            run_decode(batch, num_splits, **limits)
