@@ -91,6 +91,26 @@ def test_architectures_match_hf(arch, variant, arch_model_dirs, arch_references)
     assert outputs[1].num_cached_tokens == 48 and outputs[4].num_cached_tokens == 32
 
 
+@pytest.mark.parametrize("arch", ["gemma2", "phi3-longrope"])
+def test_architectures_match_hf_under_preemption(arch, arch_model_dirs, arch_references):
+    # 8 blocks of 16 tokens for five sequences of up to 84 tokens: preempted sequences recompute through windows.
+    llm = LLM(str(arch_model_dirs[arch]), max_model_len=96, num_kv_blocks=8, block_size=16, max_num_batched_tokens=32)
+    outputs = llm.generate(ARCH_PROMPTS, GREEDY)
+    assert llm.get_metrics()["num_preemptions"] > 0
+    assert [o.token_ids for o in outputs] == arch_references[arch]
+
+
+def test_window_spanning_the_whole_context_is_no_window():
+    from transformers import AutoConfig
+
+    from nanovllm.models.llama import layer_windows
+
+    config = AutoConfig.for_model("phi3", num_hidden_layers=2, max_position_embeddings=4096, sliding_window=4096)
+    assert layer_windows(config) == (None, None)
+    config.sliding_window = 2047
+    assert layer_windows(config) == (2047, 2047)
+
+
 def nanovllm_prompt_logits(directory, prompt: list[int], chunk: int) -> torch.Tensor:
     """Logits of every prompt position from our model (torch attention backend over a paged cache), the prompt
     fed in chunks of `chunk` tokens so later chunks read earlier ones from the cache."""
