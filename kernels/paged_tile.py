@@ -26,12 +26,15 @@ def attend_paged_tile(q, acc, m_i, l_i, k_head, v_head, table_row, start, kv_end
     Scores are in log2 units: without SOFTCAP s = q.k * qk_scale with qk_scale = scale * log2(e). SOFTCAP (Gemma 2's
     attention soft-capping, cap * tanh(q.k * scale / cap)): qk_scale = scale / cap and softcap = cap * log2(e).
     CAUSAL: row r sees only keys at positions <= q_pos[r]. WINDOW: row r sees only keys at positions
-    > q_pos[r] - window (its last `window` positions, its own included: HF's sliding window).
+    > q_pos[r] - window (its last `window` positions, its own included: HF's sliding window); keys before every
+    row's window are not read, so their block-table entries may be -1 (blocks freed once out of the window).
     Without WINDOW every row must see at least one key of the first tile it is given (else its max stays -inf and
     the rescale below makes NaN); with WINDOW a row may see none yet (its max stays -inf, its sums 0)."""
     offs_n = start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     in_range = offs_n < kv_end
+    if WINDOW:  # keys no row sees are not even loaded: their blocks may be freed (table entry -1)
+        in_range = in_range & (offs_n > tl.min(q_pos, 0) - window)
     # int64: block id x block stride overflows int32 for caches of more than 2^31 elements per layer.
     block = tl.load(table_row + offs_n // PAGE, mask=in_range, other=0).to(tl.int64)
     offset = offs_n % PAGE

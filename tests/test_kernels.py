@@ -129,7 +129,7 @@ def run_prefill(batch: Batch, config: PrefillConfig | None = None, **limits) -> 
     """`limits`: window / softcap, given to the reference and the kernel alike."""
     ref, ref_k, ref_v = batch.reference(**limits)
     if limits:  # the case must exercise them: without, the reference differs
-        assert (batch.reference()[0] - ref).abs().max() > 1e-2
+        assert (batch.reference()[0] - ref).abs().nan_to_num(1.0).max() > 1e-2  # NaN: it read a dropped block
     batch.store(ref_k, ref_v)
     out = torch.full_like(batch.q, float("nan"))
     meta = batch.meta
@@ -141,7 +141,7 @@ def run_prefill(batch: Batch, config: PrefillConfig | None = None, **limits) -> 
 def run_decode(batch: Batch, num_splits: int, config: DecodeConfig | None = None, **limits) -> None:
     ref, ref_k, ref_v = batch.reference(**limits)
     if limits:  # the case must exercise them: without, the reference differs
-        assert (batch.reference()[0] - ref).abs().max() > 1e-2
+        assert (batch.reference()[0] - ref).abs().nan_to_num(1.0).max() > 1e-2  # NaN: it read a dropped block
     batch.store(ref_k, ref_v)
     out = torch.full_like(batch.q, float("nan"))
     paged_decode_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta.block_tables, batch.meta.seq_lens,
@@ -244,6 +244,32 @@ def test_decode_window_softcap(limits, num_splits):
     lens = [(53, 1), (40, 1), (5, 1), (0, 1), (16, 1), (70, 1)]
     batch = Batch(lens, 16, 4, 2, 64, torch.float32, seed=14, share=True)
     run_decode(batch, num_splits, SMALL_DECODE, **limits)
+
+
+def drop_blocks_before_window(batch: Batch, window: int) -> None:
+    """Point every table entry whose block lies wholly before all of its sequence's windows at a block no sequence
+    holds (all NaN): what a cache that frees blocks once they leave a layer's window leaves behind."""
+    block_size = batch.k_cache.shape[1]
+    tables = batch.meta.block_tables
+    unused = sorted(set(range(batch.k_cache.shape[0])) - set(tables.flatten().tolist()))[0]
+    starts = batch.meta.query_start_loc.tolist()
+    for i, seq_len in enumerate(batch.meta.seq_lens.tolist()):
+        first_query = seq_len - (starts[i + 1] - starts[i])
+        dropped = max(first_query - window + 1, 0) // block_size
+        tables[i, :dropped] = unused
+
+
+@pytest.mark.parametrize("kernel", ["prefill", "decode"])
+def test_keys_before_the_window_are_not_read(kernel):
+    if kernel == "prefill":
+        batch = Batch([(45, 19), (70, 5), (0, 37), (33, 1)], 8, 4, 2, 32, torch.float32, seed=18)
+        drop_blocks_before_window(batch, 12)
+        run_prefill(batch, SMALL_PREFILL, window=12, softcap=4.0)
+    else:
+        batch = Batch([(53, 1), (40, 1), (5, 1), (70, 1)], 8, 4, 2, 32, torch.float32, seed=19)
+        drop_blocks_before_window(batch, 12)
+        for num_splits in (1, 3):
+            run_decode(batch, num_splits, SMALL_DECODE, window=12)
 
 
 def test_softcap_bounds_scores():

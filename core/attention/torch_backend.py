@@ -58,12 +58,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     starts = meta.query_start_loc.tolist()
     for i, seq_len in enumerate(meta.seq_lens.tolist()):
         q_start, q_end = starts[i], starts[i + 1]
-        positions = torch.arange(seq_len, device=q.device)
+        num_q = q_end - q_start
+        query_positions = torch.arange(seq_len - num_q, seq_len, device=q.device)
+        # With a window, keys before the first query's window are not read (their blocks may be freed).
+        first_key = 0 if window is None else max(seq_len - num_q - window + 1, 0)
+        positions = torch.arange(first_key, seq_len, device=q.device)
         slots = meta.block_tables[i, positions // block_size].long() * block_size + positions % block_size
         k = k_cache.view(-1, num_kv_heads, k_cache.shape[-1])[slots]
         v = v_cache.view(-1, num_kv_heads, v_cache.shape[-1])[slots]
-        num_q = q_end - q_start
-        query_positions = positions[seq_len - num_q:]
         mask = positions.unsqueeze(0) <= query_positions.unsqueeze(1)
         if window is not None:
             mask &= positions.unsqueeze(0) > query_positions.unsqueeze(1) - window
