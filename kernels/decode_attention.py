@@ -4,17 +4,18 @@ One program per (sequence, KV head, split): the query heads that share a KV head
 KV block is read once per step (GQA). With `num_splits > 1` the context is cut into that many contiguous ranges
 (flash-decoding) whose partial results a second kernel merges. Nothing here reads device values on the host and
 every shape follows from the inputs' shapes and `num_splits`, so the call can be captured in a CUDA graph.
+A sliding window only moves the start of the context range (the one query sees the last `window` positions);
+soft-capping bounds the scores. Both are compile-time switches: without them the kernel is unchanged.
 """
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.paged_tile import attend_paged_tile
+from nanovllm.kernels.paged_tile import attend_paged_tile, score_scales
 from nanovllm.kernels.pdl import await_previous_kernel, pdl_launch_args
 
 # Below this many keys per split, writing and merging partial results costs more than the parallelism gains.
@@ -28,21 +29,28 @@ class DecodeConfig(NamedTuple):
     num_stages: int = 2
 
 
+WIDE_HEAD_DECODE = DecodeConfig(block_n=32)  # Gemma's 256-wide heads: half the keys per tile
+
+
 @triton.jit
-def _decode_kernel(q, k_cache, v_cache, out, part_out, part_lse, block_tables, seq_lens, qk_scale,
+def _decode_kernel(q, k_cache, v_cache, out, part_out, part_lse, block_tables, seq_lens, qk_scale, window, softcap,
                    stride_qb, stride_qh, stride_ob, stride_oh,
                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
                    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-                   BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
+                   BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+                   PDL: tl.constexpr):
     await_previous_kernel(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
     seq_len = tl.load(seq_lens + seq)
+    lo = 0
+    if WINDOW:
+        lo = tl.maximum(seq_len - window, 0)
     # Whole tiles per split, so that only the last tile of the sequence is partial.
-    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits)
-    start = split * tiles_per_split * BLOCK_N
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len - lo, BLOCK_N), num_splits)
+    start = lo + split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
 
     offs_h = tl.arange(0, BLOCK_H)
@@ -58,7 +66,7 @@ def _decode_kernel(q, k_cache, v_cache, out, part_out, part_lse, block_tables, s
         acc, m_i, l_i = attend_paged_tile(
             query, acc, m_i, l_i, k_cache + kv_head * stride_kh, v_cache + kv_head * stride_vh,
             block_tables + seq * stride_bt, n, end, offs_h, qk_scale, stride_kb, stride_ks, stride_vb, stride_vs,
-            PAGE=PAGE, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, CAUSAL=False)
+            window, softcap, PAGE=PAGE, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, CAUSAL=False, SOFTCAP=SOFTCAP)
     # An empty range (seq_len 0, or a split past the end) has l_i = 0 and acc = 0: it yields zeros, not NaN.
     result = acc / tl.maximum(l_i, 1e-30)[:, None]
     if SPLIT:
@@ -100,14 +108,16 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, num_splits: int,
-                           out: torch.Tensor | None = None, config: DecodeConfig | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None, config: DecodeConfig | None = None,
+                           window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """q: [batch, num_heads, head_dim], one new token per sequence (already stored in the cache);
     k_cache/v_cache: [num_blocks, block_size, num_kv_heads, head_dim]; block_tables: [batch, max_blocks] int32;
-    seq_lens: [batch] int32 (0 is allowed: that row's output is zeros). Returns [batch, num_heads, head_dim]."""
+    seq_lens: [batch] int32 (0 is allowed: that row's output is zeros). window: the token sees only the last
+    `window` positions; softcap: scores cap * tanh(s / cap). Returns [batch, num_heads, head_dim]."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
     assert num_heads % num_kv_heads == 0 and q.stride(-1) == 1 and k_cache.stride(-1) == v_cache.stride(-1) == 1
-    config = config or DecodeConfig()
+    config = config or (DecodeConfig() if head_dim <= 128 else WIDE_HEAD_DECODE)
     group = num_heads // num_kv_heads
     out = torch.empty_like(q) if out is None else out
     if num_splits > 1:
@@ -115,13 +125,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # not read: the kernel writes `out` directly
+    qk_scale, softcap_log2 = score_scales(scale, softcap)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, out, part_out, part_lse, block_tables, seq_lens, scale * math.log2(math.e),
+        q, k_cache, v_cache, out, part_out, part_lse, block_tables, seq_lens, qk_scale, window or 0, softcap_log2,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE=page,
-        BLOCK_N=config.block_n, SPLIT=num_splits > 1, num_warps=config.num_warps, num_stages=config.num_stages,
+        BLOCK_N=config.block_n, SPLIT=num_splits > 1, WINDOW=window is not None, SOFTCAP=softcap is not None,
+        num_warps=config.num_warps, num_stages=config.num_stages,
         **pdl_launch_args(q),
     )
     if num_splits > 1:

@@ -1,23 +1,40 @@
 """The inner step shared by the paged-attention kernels: one tile of keys of one sequence, online softmax."""
 from __future__ import annotations
 
+import math
+
 import triton
 import triton.language as tl
 
 
+def score_scales(scale: float, softcap: float | None) -> tuple[float, float]:
+    """(qk_scale, softcap) arguments of attend_paged_tile for softmax scale `scale` and an optional logit cap."""
+    if softcap is None:
+        return scale * math.log2(math.e), 0.0
+    return scale / softcap, softcap * math.log2(math.e)
+
+
 @triton.jit
 def attend_paged_tile(q, acc, m_i, l_i, k_head, v_head, table_row, start, kv_end, q_pos, qk_scale,
-                      stride_kb, stride_ks, stride_vb, stride_vs,
-                      PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr):
+                      stride_kb, stride_ks, stride_vb, stride_vs, window, softcap,
+                      PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
+                      WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False):
     """Fold keys [start, start + BLOCK_N) ∩ [0, kv_end) of one sequence into the running softmax of q's rows.
 
     q: [M, HEAD_DIM]; acc: [M, HEAD_DIM] fp32; m_i, l_i: [M] fp32 running max (log2 units) and sum.
     k_head/v_head point at one KV head of the caches; table_row at the sequence's block-table row.
-    CAUSAL: row r sees only keys at positions <= q_pos[r]. Every row must see at least one key of the first
-    tile it is given (else its max stays -inf and the rescale below makes NaN)."""
+    Scores are in log2 units: without SOFTCAP s = q.k * qk_scale with qk_scale = scale * log2(e). SOFTCAP (Gemma 2's
+    attention soft-capping, cap * tanh(q.k * scale / cap)): qk_scale = scale / cap and softcap = cap * log2(e).
+    CAUSAL: row r sees only keys at positions <= q_pos[r]. WINDOW: row r sees only keys at positions
+    > q_pos[r] - window (its last `window` positions, its own included: HF's sliding window); keys before every
+    row's window are not read, so their block-table entries may be -1 (blocks freed once out of the window).
+    Without WINDOW every row must see at least one key of the first tile it is given (else its max stays -inf and
+    the rescale below makes NaN); with WINDOW a row may see none yet (its max stays -inf, its sums 0)."""
     offs_n = start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     in_range = offs_n < kv_end
+    if WINDOW:  # keys no row sees are not even loaded: their blocks may be freed (table entry -1)
+        in_range = in_range & (offs_n > tl.min(q_pos, 0) - window)
     # int64: block id x block stride overflows int32 for caches of more than 2^31 elements per layer.
     block = tl.load(table_row + offs_n // PAGE, mask=in_range, other=0).to(tl.int64)
     offset = offs_n % PAGE
@@ -26,13 +43,23 @@ def attend_paged_tile(q, acc, m_i, l_i, k_head, v_head, table_row, start, kv_end
     # V is requested with K, before the softmax needs it: both tiles are in flight at once.
     v = tl.load(v_head + (block * stride_vb + offset * stride_vs)[:, None] + offs_d[None, :],
                 mask=in_range[:, None], other=0.0)
-    s = tl.dot(q, tl.trans(k)) * qk_scale
+    if SOFTCAP:
+        # qk_scale = scale / softcap here; tanh(x) = 1 - 2 / (e^(2x) + 1) saturates to +-1 without NaN.
+        x = tl.dot(q, tl.trans(k)) * qk_scale
+        s = (1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)) * softcap  # 2.885... = 2 log2(e)
+    else:
+        s = tl.dot(q, tl.trans(k)) * qk_scale
     visible = in_range[None, :]
     if CAUSAL:
         visible = visible & (offs_n[None, :] <= q_pos[:, None])
+    if WINDOW:
+        visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    m_sub = m_new
+    if WINDOW:  # a row with no visible key so far keeps max -inf: subtract 0 instead, its p and alpha are then 0
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_sub)
+    p = tl.exp2(s - m_sub[:, None])
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return acc, m_new, l_i * alpha + tl.sum(p, 1)

@@ -6,10 +6,13 @@ from pathlib import Path
 import torch
 
 
-def load_hf_model(directory: Path, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+def load_hf_model(directory: Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                  attn_implementation: str | None = None):
+    """`attn_implementation="eager"` for models whose soft-capping or sliding windows SDPA would not apply."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype).to(device).eval()
+    return AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype,
+                                                attn_implementation=attn_implementation).to(device).eval()
 
 
 @torch.inference_mode()

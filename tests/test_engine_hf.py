@@ -1,5 +1,7 @@
 """End-to-end greedy decoding against HF transformers' own models, fp32 on the CPU (docs/ARCHITECTURE.md)."""
 import pytest
+import torch
+from conftest import ARCH_CONFIGS
 from reference import hf_greedy, load_hf_model
 
 from nanovllm import LLM, SamplingParams
@@ -61,6 +63,105 @@ def test_second_run_hits_prefix_cache_with_identical_output(tiny_model_dirs, tin
     assert second[2].num_cached_tokens == 64  # 70-token prompt: four full blocks
     assert second[5].num_cached_tokens == 47  # fully cached 48-token prompt recomputes its last token
     assert llm.get_metrics()["prefix_cache"]["hit_tokens"] > 0
+
+
+# ---- other architectures: Mistral, Gemma 2, Gemma 3, Phi-3, and the yarn / longrope rope types ------------------
+
+# Prompts longer than the windows, up to 60 tokens (below longrope's switch), three sharing a 40-token prefix.
+ARCH_SHARED = list(range(300, 340))
+ARCH_PROMPTS = [ARCH_SHARED + [7, 8, 9], list(range(100, 160)), ARCH_SHARED + list(range(20, 39)), [5, 6], ARCH_SHARED]
+
+
+@pytest.fixture(scope="module")
+def arch_references(arch_model_dirs):
+    return {arch: hf_greedy(load_hf_model(d, attn_implementation="eager"), ARCH_PROMPTS, MAX_NEW)
+            for arch, d in arch_model_dirs.items()}
+
+
+@pytest.mark.parametrize("variant", ["prefix-on-budget-16", "prefix-on-budget-4096"])
+@pytest.mark.parametrize("arch", ARCH_CONFIGS)
+def test_architectures_match_hf(arch, variant, arch_model_dirs, arch_references):
+    """Greedy tokens equal HF's fp32 eager generation, in chunks of 16 tokens and whole; then again from the
+    prefix cache (the shared prefix's full blocks, and every prompt's own blocks, are hits the second time)."""
+    llm = LLM(str(arch_model_dirs[arch]), max_model_len=128, num_kv_blocks=64, block_size=16,
+              **ENGINE_VARIANTS[variant])
+    for attempt in range(2):
+        outputs = llm.generate(ARCH_PROMPTS, GREEDY)
+        assert [o.token_ids for o in outputs] == arch_references[arch], f"run {attempt}"
+    assert outputs[1].num_cached_tokens == 48 and outputs[4].num_cached_tokens == 32
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "phi3-longrope"])
+def test_architectures_match_hf_under_preemption(arch, arch_model_dirs, arch_references):
+    # 8 blocks of 16 tokens for five sequences of up to 84 tokens: preempted sequences recompute through windows.
+    llm = LLM(str(arch_model_dirs[arch]), max_model_len=96, num_kv_blocks=8, block_size=16, max_num_batched_tokens=32)
+    outputs = llm.generate(ARCH_PROMPTS, GREEDY)
+    assert llm.get_metrics()["num_preemptions"] > 0
+    assert [o.token_ids for o in outputs] == arch_references[arch]
+
+
+def test_window_spanning_the_whole_context_is_no_window():
+    from transformers import AutoConfig
+
+    from nanovllm.models.llama import layer_windows
+
+    config = AutoConfig.for_model("phi3", num_hidden_layers=2, max_position_embeddings=4096, sliding_window=4096)
+    assert layer_windows(config) == (None, None)
+    config.sliding_window = 2047
+    assert layer_windows(config) == (2047, 2047)
+
+
+def nanovllm_prompt_logits(directory, prompt: list[int], chunk: int) -> torch.Tensor:
+    """Logits of every prompt position from our model (torch attention backend over a paged cache), the prompt
+    fed in chunks of `chunk` tokens so later chunks read earlier ones from the cache."""
+    from transformers import AutoConfig
+
+    from nanovllm.attention import AttentionMetadata
+    from nanovllm.attention.torch_backend import TorchAttentionBackend
+    from nanovllm.loaders import load_safetensors_weights
+    from nanovllm.models.registry import model_class_for
+
+    hf_config = AutoConfig.from_pretrained(str(directory))
+    model = model_class_for(hf_config)(hf_config).eval()
+    load_safetensors_weights(model, directory)
+    block_size, num_tokens = 16, len(prompt)
+    num_blocks = -(-num_tokens // block_size)
+    for layer in model.attention_layers():
+        layer.k_cache = torch.zeros(num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
+        layer.v_cache = torch.zeros_like(layer.k_cache)
+        layer.backend = TorchAttentionBackend()
+    table = torch.arange(num_blocks, dtype=torch.int32).flip(0)[None]  # blocks out of order
+    logits = []
+    with torch.inference_mode():
+        for start in range(0, num_tokens, chunk):
+            end = min(start + chunk, num_tokens)
+            positions = torch.arange(start, end)
+            meta = AttentionMetadata(
+                slot_mapping=(table[0, positions // block_size] * block_size + positions % block_size).long(),
+                query_start_loc=torch.tensor([0, end - start], dtype=torch.int32),
+                seq_lens=torch.tensor([end], dtype=torch.int32), block_tables=table, max_query_len=end - start,
+                max_seq_len=end)
+            logits.append(model.compute_logits(model(torch.tensor(prompt[start:end]), positions, meta)))
+    return torch.cat(logits)
+
+
+@pytest.mark.parametrize("arch", ARCH_CONFIGS)
+def test_architectures_logits_match_hf(arch, arch_model_dirs):
+    prompt = list(range(100, 160))
+    hf_model = load_hf_model(arch_model_dirs[arch], attn_implementation="eager")
+    with torch.inference_mode():
+        expected = hf_model(input_ids=torch.tensor([prompt])).logits[0]
+    for chunk in (len(prompt), 7, 1):
+        torch.testing.assert_close(nanovllm_prompt_logits(arch_model_dirs[arch], prompt, chunk), expected,
+                                   rtol=1e-4, atol=1e-4)
+
+
+def test_unsupported_architecture_fails_early_listing_supported(tmp_path):
+    from transformers import GPT2Config
+
+    GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"GPT2LMHeadModel is not supported; supported: .*Gemma2ForCausalLM"):
+        LLM(str(tmp_path))
 
 
 # ---- the embedded SmolLM2 (from its GGUF) ---------------------------------------------------------------------

@@ -79,20 +79,21 @@ def divergence_gaps(truth_model, prompts: list[list[int]], truth: list[list[int]
     return gaps
 
 
-def check_against_hf(name: str, directory, prompts: list[list[int]]) -> None:
+def check_against_hf(name: str, directory, prompts: list[list[int]], attn_implementation: str | None = None) -> None:
     """Greedy tokens and last-prompt-token logits of ours (bf16, Triton, CUDA graphs) against HF transformers in
     bf16 and in fp32 (the truth), on the same weights.
 
     bf16 rounding flips greedy choices wherever the top two logits are closer than the rounding error, and one
     flip changes the rest of a sequence: HF's own bf16 run is the yardstick. Ours must agree with fp32 as well as
     HF bf16 does, with no larger logit error, and leave the fp32 path only at near-ties: where fp32's own logits
-    for the two tokens differ by no more than twice HF bf16's logit error (or than HF bf16's own worst flip)."""
-    truth_model = load_hf_model(directory, dtype=torch.float32, device="cuda")
+    for the two tokens differ by no more than twice HF bf16's logit error (or than HF bf16's own worst flip).
+    `attn_implementation="eager"` where HF's SDPA path would not apply soft-capping."""
+    truth_model = load_hf_model(directory, dtype=torch.float32, device="cuda", attn_implementation=attn_implementation)
     with torch.inference_mode():
         truth_logits = [truth_model(input_ids=torch.tensor([p], device="cuda")).logits[0, -1].float()
                         for p in prompts[:8]]
     truth = hf_greedy(truth_model, prompts, NEW_TOKENS)
-    hf = load_hf_model(directory, dtype=torch.bfloat16, device="cuda")
+    hf = load_hf_model(directory, dtype=torch.bfloat16, device="cuda", attn_implementation=attn_implementation)
     with torch.inference_mode():
         hf_bf16_logits = [hf(input_ids=torch.tensor([p], device="cuda")).logits[0, -1].float() for p in prompts[:8]]
     hf_bf16 = hf_greedy(hf, prompts, NEW_TOKENS)
@@ -138,6 +139,29 @@ def check_against_hf(name: str, directory, prompts: list[list[int]]) -> None:
 def test_bf16_greedy_vs_hf_on_random_weights(random_models, preset):
     directory = random_models[preset]
     check_against_hf(preset, directory, random_prompts(json.loads((directory / "config.json").read_text())["vocab_size"]))
+
+
+_FAMILY = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8,
+               num_key_value_heads=4, vocab_size=8192, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2,
+               pad_token_id=0)
+# Real head sizes (Gemma 256, Phi-3 128 with a partial rotary), windows of 128 tokens: most prompts are longer.
+FAMILY_CONFIGS = {
+    "mistral": dict(_FAMILY, model_type="mistral", head_dim=64, sliding_window=128),
+    "gemma2": dict(_FAMILY, model_type="gemma2", head_dim=256, sliding_window=128, query_pre_attn_scalar=256,
+                   attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
+    "gemma3": dict(_FAMILY, model_type="gemma3_text", head_dim=256, sliding_window=128, sliding_window_pattern=3,
+                   query_pre_attn_scalar=256),
+    "phi3": dict(_FAMILY, model_type="phi3", head_dim=128, num_attention_heads=4, num_key_value_heads=4,
+                 sliding_window=128, partial_rotary_factor=0.75),
+}
+
+
+@pytest.mark.parametrize("family", FAMILY_CONFIGS)
+def test_bf16_greedy_vs_hf_per_family(family, tmp_path):
+    directory = save_random_hf_model(FAMILY_CONFIGS[family], tmp_path / family, initializer_range=0.05,
+                                     dtype=torch.bfloat16, max_shard_size="2GB")
+    check_against_hf(family, directory, random_prompts(FAMILY_CONFIGS[family]["vocab_size"]),
+                     attn_implementation="eager")
 
 
 QUESTIONS = [

@@ -104,11 +104,12 @@ class Batch:
         for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
             setattr(meta, name, getattr(meta, name).to(device))
 
-    def reference(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def reference(self, window: int | None = None, softcap: float | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """fp32 output and caches of the torch backend on upcast copies of the inputs."""
         k_cache, v_cache = self.k_cache.float(), self.v_cache.float()
         out = TorchAttentionBackend().forward(self.q.float(), self.k.float(), self.v.float(), k_cache, v_cache,
-                                              self.meta, self.scale)
+                                              self.meta, self.scale, window=window, softcap=softcap)
         return out, k_cache, v_cache
 
     def store(self, ref_k_cache: torch.Tensor, ref_v_cache: torch.Tensor) -> None:
@@ -124,22 +125,27 @@ def assert_matches(out: torch.Tensor, ref: torch.Tensor) -> None:
     assert error <= TOLERANCE[out.dtype], f"relative error {error:.2e} > {TOLERANCE[out.dtype]:.0e}"
 
 
-def run_prefill(batch: Batch, config: PrefillConfig | None = None) -> None:
-    ref, ref_k, ref_v = batch.reference()
+def run_prefill(batch: Batch, config: PrefillConfig | None = None, **limits) -> None:
+    """`limits`: window / softcap, given to the reference and the kernel alike."""
+    ref, ref_k, ref_v = batch.reference(**limits)
+    if limits:  # the case must exercise them: without, the reference differs
+        assert (batch.reference()[0] - ref).abs().nan_to_num(1.0).max() > 1e-2  # NaN: it read a dropped block
     batch.store(ref_k, ref_v)
     out = torch.full_like(batch.q, float("nan"))
     meta = batch.meta
     paged_prefill_attention(batch.q, batch.k_cache, batch.v_cache, meta.query_start_loc, meta.seq_lens,
-                            meta.block_tables, meta.max_query_len, batch.scale, out=out, config=config)
+                            meta.block_tables, meta.max_query_len, batch.scale, out=out, config=config, **limits)
     assert_matches(out, ref)
 
 
-def run_decode(batch: Batch, num_splits: int, config: DecodeConfig | None = None) -> None:
-    ref, ref_k, ref_v = batch.reference()
+def run_decode(batch: Batch, num_splits: int, config: DecodeConfig | None = None, **limits) -> None:
+    ref, ref_k, ref_v = batch.reference(**limits)
+    if limits:  # the case must exercise them: without, the reference differs
+        assert (batch.reference()[0] - ref).abs().nan_to_num(1.0).max() > 1e-2  # NaN: it read a dropped block
     batch.store(ref_k, ref_v)
     out = torch.full_like(batch.q, float("nan"))
     paged_decode_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta.block_tables, batch.meta.seq_lens,
-                           batch.scale, num_splits, out=out, config=config)
+                           batch.scale, num_splits, out=out, config=config, **limits)
     assert_matches(out, ref)
 
 
@@ -211,6 +217,72 @@ def test_decode_empty_rows_give_zeros(num_splits):
                            batch.scale, num_splits, out=out, config=SMALL_DECODE)
     assert_matches(out[:1], ref[:1])
     assert not out[1].any()
+
+
+# (window, softcap): Mistral-like window only, Gemma-2-like window with capping, capping alone; a window of 1
+# (a token sees only itself) and windows that are not multiples of the tile or the page.
+LIMITS = [pytest.param(dict(window=24), id="window24"), pytest.param(dict(window=7, softcap=5.0), id="window7-cap5"),
+          pytest.param(dict(softcap=2.0), id="cap2"), pytest.param(dict(window=1), id="window1")]
+
+
+@pytest.mark.parametrize("limits", LIMITS)
+@pytest.mark.parametrize(("block_size", "num_heads", "num_kv_heads", "head_dim", "dtype"), [
+    pytest.param(16, 6, 2, 64, torch.float32, id="bs16-gqa3-d64-fp32"),
+    pytest.param(8, 4, 2, 32, torch.float16, id="bs8-gqa2-d32-fp16")])
+def test_prefill_window_softcap(limits, block_size, num_heads, num_kv_heads, head_dim, dtype):
+    """Chunks after cached prefixes longer than the window (whole tiles and pages fall out of it), a fresh prompt
+    longer than the window, a recomputed last token and a decode-like chunk; shared prefix blocks."""
+    lens = [(block_size + 7, 20), (45, 19), (2 * block_size, 1), (40, 1), (0, 37)]
+    batch = Batch(lens, block_size, num_heads, num_kv_heads, head_dim, dtype, seed=13, share=True, recompute=(2,))
+    run_prefill(batch, SMALL_PREFILL, **limits)
+
+
+@pytest.mark.parametrize("limits", LIMITS)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_window_softcap(limits, num_splits):
+    """Contexts shorter and longer than the window; splits over the window's range only."""
+    lens = [(53, 1), (40, 1), (5, 1), (0, 1), (16, 1), (70, 1)]
+    batch = Batch(lens, 16, 4, 2, 64, torch.float32, seed=14, share=True)
+    run_decode(batch, num_splits, SMALL_DECODE, **limits)
+
+
+def drop_blocks_before_window(batch: Batch, window: int) -> None:
+    """Point every table entry whose block lies wholly before all of its sequence's windows at a block no sequence
+    holds (all NaN): what a cache that frees blocks once they leave a layer's window leaves behind."""
+    block_size = batch.k_cache.shape[1]
+    tables = batch.meta.block_tables
+    unused = sorted(set(range(batch.k_cache.shape[0])) - set(tables.flatten().tolist()))[0]
+    starts = batch.meta.query_start_loc.tolist()
+    for i, seq_len in enumerate(batch.meta.seq_lens.tolist()):
+        first_query = seq_len - (starts[i + 1] - starts[i])
+        dropped = max(first_query - window + 1, 0) // block_size
+        tables[i, :dropped] = unused
+
+
+@pytest.mark.parametrize("kernel", ["prefill", "decode"])
+def test_keys_before_the_window_are_not_read(kernel):
+    if kernel == "prefill":
+        batch = Batch([(45, 19), (70, 5), (0, 37), (33, 1)], 8, 4, 2, 32, torch.float32, seed=18)
+        drop_blocks_before_window(batch, 12)
+        run_prefill(batch, SMALL_PREFILL, window=12, softcap=4.0)
+    else:
+        batch = Batch([(53, 1), (40, 1), (5, 1), (70, 1)], 8, 4, 2, 32, torch.float32, seed=19)
+        drop_blocks_before_window(batch, 12)
+        for num_splits in (1, 3):
+            run_decode(batch, num_splits, SMALL_DECODE, window=12)
+
+
+def test_softcap_bounds_scores():
+    """The reference's capping against scores computed by hand: cap * tanh(q.k * scale / cap), softmax, V."""
+    from nanovllm.attention.torch_backend import attend
+
+    gen = torch.Generator().manual_seed(15)
+    q, k, v = (torch.randn(2, 3, 5, generator=gen) * 4 for _ in range(3))  # [heads, tokens, dim], large scores
+    mask = torch.ones(3, 3, dtype=torch.bool).tril()
+    scores = (q @ k.transpose(-1, -2) * 0.5 / 3.0).tanh() * 3.0
+    expected = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+    torch.testing.assert_close(attend(q, k, v, mask, 0.5, 3.0), expected)
+    assert not torch.allclose(attend(q, k, v, mask, 0.5, None), expected)  # the cap changes the result here
 
 
 def test_backend_routes_prefill_and_decode():
@@ -295,3 +367,21 @@ def test_gpu_decode_cuda_graph_replay(num_splits):
     graph.replay()
     assert_matches(out, paged_attention(batch.q.float(), batch.k_cache.float(), batch.v_cache.float(), batch.meta,
                                         batch.scale))
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("limits", [dict(window=4096), dict(window=1000, softcap=50.0), dict(window=128)],
+                         ids=["window4096", "window1000-cap50", "window128"])
+@pytest.mark.parametrize("heads", [QWEN3_06B, (8, 4, 256)], ids=["qwen3", "gemma-d256"])
+@pytest.mark.parametrize("kernel", ["prefill", "decode"])
+def test_gpu_window_softcap_real_shapes(kernel, heads, limits):
+    """Windows and soft-capping at real sizes in bf16, Gemma's 256-wide heads included (their own tile sizes)."""
+    if kernel == "prefill":
+        lens = [(5000, 1500), (16 * 7 + 3, 2048), (0, 1024), (1000, 1), (0, 2000), (4096 + 5, 841)]
+        run_prefill(Batch(lens, 16, *heads, torch.bfloat16, seed=16, share=True), **limits)
+    else:
+        context = [6000, 3000] + torch.randint(1, 8192, (30,), generator=torch.Generator().manual_seed(1)).tolist()
+        batch = Batch([(n - 1, 1) for n in context], 16, *heads, torch.bfloat16, seed=17, share=True)
+        for num_splits in (1, 8):
+            run_decode(batch, num_splits, **limits)

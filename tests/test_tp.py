@@ -14,7 +14,8 @@ import torch.distributed as dist
 import torch.multiprocessing
 import torch.nn.functional as F
 from helpers import process_alive
-from test_engine_hf import CHATS, TINY_PROMPTS
+from reference import hf_greedy, load_hf_model
+from test_engine_hf import ARCH_PROMPTS, CHATS, MAX_NEW, TINY_PROMPTS
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.distributed import before_tp_group_destroyed, destroy_tp_group, init_tp_group, min_over_ranks
@@ -127,6 +128,18 @@ def test_tp2_equals_tp1_tiny_qwen3(async_scheduling, tiny_model_dirs, tiny_tp1):
     assert [o.token_ids for o in first] == [o.token_ids for o in second] == tiny_tp1
     assert second[2].num_cached_tokens == 64
     assert not any(process_alive(pid) for pid in pids) and not dist.is_initialized()
+
+
+@pytest.mark.parametrize("arch", ["phi3-longrope", "gemma2"])
+def test_tp2_architectures_match_hf(arch, arch_model_dirs):
+    """Phi-3's stacked q|k|v and gate|up tensors cut into parts, then each part split across the ranks; Gemma 2's
+    windows and soft-caps on each rank's heads."""
+    directory = arch_model_dirs[arch]
+    reference = hf_greedy(load_hf_model(directory, attn_implementation="eager"), ARCH_PROMPTS, MAX_NEW)
+    with LLM(str(directory), tensor_parallel_size=2, max_model_len=128, num_kv_blocks=64,
+             max_num_batched_tokens=16) as llm:
+        outputs = llm.generate(ARCH_PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
+    assert [o.token_ids for o in outputs] == reference
 
 
 def test_tp2_dummy_weights_equal_tp1():

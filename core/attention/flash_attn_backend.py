@@ -25,14 +25,17 @@ class FlashAttnBackend:
         return 0  # 0: flash-attn picks its splits itself, from static shapes (CUDA-graph safe)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
         store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+        # flash-attn's window counts keys to the left of the query's own position; 0.0 means no soft-capping.
+        limits = dict(window_size=(-1, -1) if window is None else (window - 1, 0), softcap=softcap or 0.0)
         if meta.max_query_len == 1:
             return self._with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.seq_lens,
                                       block_table=meta.block_tables, softmax_scale=scale, causal=True,
-                                      num_splits=meta.decode_num_splits).squeeze(1)
+                                      num_splits=meta.decode_num_splits, **limits).squeeze(1)
         cu_seqlens_k = F.pad(meta.seq_lens.cumsum(0, dtype=torch.int32), (1, 0))
         # causal with more keys than queries aligns the queries to the end: the new tokens are the last ones.
         return self._varlen(q, k_cache, v_cache, cu_seqlens_q=meta.query_start_loc, cu_seqlens_k=cu_seqlens_k,
                             max_seqlen_q=meta.max_query_len, max_seqlen_k=meta.max_seq_len, softmax_scale=scale,
-                            causal=True, block_table=meta.block_tables)
+                            causal=True, block_table=meta.block_tables, **limits)

@@ -15,44 +15,62 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
     v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep]
 
 
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+           softcap: float | None) -> torch.Tensor:
+    """Attention of q [..., heads, q_len, dim] over k/v [..., kv_heads, k_len, dim] where `mask` (broadcast to the
+    scores) is True. softcap: scores become cap * tanh(scores / cap) before the mask (Gemma 2), which SDPA lacks."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    group = q.shape[-3] // k.shape[-3]
+    k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    scores = torch.tanh(q @ k.transpose(-1, -2) * (scale / softcap)) * softcap
+    return scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                           scale: float) -> torch.Tensor:
-    """One query token per sequence: all contexts gathered at once into a padded batch, one attention call."""
+                           scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """One query token per sequence: all contexts gathered at once into a padded batch, one attention call.
+    window: the token sees only the last `window` positions of its context; softcap: see `attend`."""
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     positions = torch.arange(meta.max_seq_len, device=q.device)
     tables = meta.block_tables[:, positions // block_size].long().clamp_min(0)  # -1 past a table's end
     slots = tables * block_size + positions % block_size
     visible = positions.unsqueeze(0) < meta.seq_lens.unsqueeze(1)  # [batch, max_seq_len]
+    if window is not None:
+        visible &= positions.unsqueeze(0) >= meta.seq_lens.unsqueeze(1) - window
     # Slots past a sequence's end hold whatever an unused cache slot holds (NaN included), and a masked score
     # still multiplies its V row by zero: zero them so they cannot poison the sum.
     hidden = ~visible.view(*visible.shape, 1, 1)
     k = k_cache.view(-1, num_kv_heads, head_dim)[slots].masked_fill_(hidden, 0)  # [batch, max_seq_len, kv_heads, dim]
     v = v_cache.view(-1, num_kv_heads, head_dim)[slots].masked_fill_(hidden, 0)
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),
-                                         attn_mask=visible.view(len(slots), 1, 1, -1), scale=scale, enable_gqa=True)
+    out = attend(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), visible.view(len(slots), 1, 1, -1), scale,
+                 softcap)
     return out.squeeze(2)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float) -> torch.Tensor:
-    """q: [num_tokens, num_heads, head_dim]; reads every sequence's whole context from the cache, causal."""
+                    scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """q: [num_tokens, num_heads, head_dim]; reads every sequence's whole context from the cache, causal.
+    window: a token sees only the last `window` positions up to its own; softcap: see `attend`."""
     block_size = k_cache.shape[1]
     num_kv_heads = k_cache.shape[2]
     out = torch.empty_like(q)
     starts = meta.query_start_loc.tolist()
     for i, seq_len in enumerate(meta.seq_lens.tolist()):
         q_start, q_end = starts[i], starts[i + 1]
-        positions = torch.arange(seq_len, device=q.device)
+        num_q = q_end - q_start
+        query_positions = torch.arange(seq_len - num_q, seq_len, device=q.device)
+        # With a window, keys before the first query's window are not read (their blocks may be freed).
+        first_key = 0 if window is None else max(seq_len - num_q - window + 1, 0)
+        positions = torch.arange(first_key, seq_len, device=q.device)
         slots = meta.block_tables[i, positions // block_size].long() * block_size + positions % block_size
         k = k_cache.view(-1, num_kv_heads, k_cache.shape[-1])[slots]
         v = v_cache.view(-1, num_kv_heads, v_cache.shape[-1])[slots]
-        num_q = q_end - q_start
-        query_positions = positions[seq_len - num_q:]
         mask = positions.unsqueeze(0) <= query_positions.unsqueeze(1)
-        out[q_start:q_end] = F.scaled_dot_product_attention(
-            q[q_start:q_end].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale,
-            enable_gqa=True,
-        ).transpose(0, 1)
+        if window is not None:
+            mask &= positions.unsqueeze(0) > query_positions.unsqueeze(1) - window
+        out[q_start:q_end] = attend(q[q_start:q_end].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), mask,
+                                    scale, softcap).transpose(0, 1)
     return out
 
 
@@ -65,8 +83,9 @@ class TorchAttentionBackend:
         return 1  # one pass per sequence
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
         store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.max_query_len == 1:
-            return paged_decode_attention(q, k_cache, v_cache, meta, scale)
-        return paged_attention(q, k_cache, v_cache, meta, scale)
+            return paged_decode_attention(q, k_cache, v_cache, meta, scale, window, softcap)
+        return paged_attention(q, k_cache, v_cache, meta, scale, window, softcap)

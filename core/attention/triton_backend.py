@@ -23,10 +23,11 @@ class TritonAttentionBackend:
         return choose_num_splits(batch_size, num_kv_heads, max_seq_len, self.num_sms)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
         store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.max_query_len == 1:
             return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
-                                          meta.decode_num_splits)
+                                          meta.decode_num_splits, window=window, softcap=softcap)
         return paged_prefill_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                                       meta.max_query_len, scale)
+                                       meta.max_query_len, scale, window=window, softcap=softcap)

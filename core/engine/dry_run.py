@@ -10,7 +10,8 @@ from nanovllm.config import EngineConfig
 from nanovllm.engine.block_manager import NO_HASH, BlockManager, compute_block_hash
 from nanovllm.engine.sequence import Sequence
 from nanovllm.loaders import resolve_model
-from nanovllm.models.llama import LlamaForCausalLM, kv_block_bytes
+from nanovllm.models.llama import kv_block_bytes
+from nanovllm.models.registry import model_class_for
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.tokenization import PromptTokenizer
 
@@ -48,7 +49,7 @@ def plan_kv_cache(model: str | None = None, num_blocks: int | None = None, **eng
         num_blocks, source = config.cpu_kv_cache_bytes // bytes_per_block, "the CPU KV budget (cpu_kv_cache_bytes)"
     else:
         with torch.device("meta"):
-            weights = sum(p.numel() for p in LlamaForCausalLM(hf).parameters()) * itemsize
+            weights = sum(p.numel() for p in model_class_for(hf)(hf).parameters()) * itemsize
         total = torch.cuda.get_device_properties(device).total_memory
         num_blocks = max(int(total * config.gpu_memory_utilization - weights) // bytes_per_block, 1)
         source = "GPU memory x gpu_memory_utilization - weights (activations not counted: an upper bound)"

@@ -3,6 +3,15 @@ import torch.nn.functional as F
 from torch import nn
 
 
+class GeluTanhAndMul(nn.Module):
+    """gelu(gate) * up with GELU's tanh approximation (HF's gelu_pytorch_tanh, Gemma) for the packed
+    [gate | up] projection."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+
 class SiluAndMul(nn.Module):
     """silu(gate) * up for the packed [gate | up] projection; `fused`: one Triton kernel (CUDA)."""
 

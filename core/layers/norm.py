@@ -5,9 +5,12 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    """`fused`: one Triton kernel (residual add included) instead of the torch ops below; 2-D inputs on CUDA."""
+    """`fused`: one Triton kernel (residual add included) instead of the torch ops below; 2-D inputs on CUDA.
 
-    def __init__(self, hidden_size: int, eps: float, fused: bool = False):
+    `unit_offset` (Gemma): the checkpoint stores w and the scale is 1 + w. The loader adds the 1, so the weight
+    held here is always the scale itself and every path (torch, fused kernels) multiplies by it unchanged."""
+
+    def __init__(self, hidden_size: int, eps: float, fused: bool = False, unit_offset: bool = False):
         super().__init__()
         self.eps = eps
         self.kernel = None
@@ -15,7 +18,11 @@ class RMSNorm(nn.Module):
             from nanovllm.kernels.fused_ops import rms_norm
 
             self.kernel = rms_norm
+        self.unit_offset = unit_offset
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        param.data.copy_(loaded.float() + 1.0 if self.unit_offset else loaded)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype

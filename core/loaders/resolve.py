@@ -35,6 +35,7 @@ def resolve_model(model: str | None, load_format: str = "auto") -> ResolvedModel
     from transformers import AutoConfig
 
     from nanovllm.loaders.gguf import gguf_to_hf_dir
+    from nanovllm.models.registry import model_class_for
 
     if model is None:
         model = str(default_model_path())
@@ -46,6 +47,7 @@ def resolve_model(model: str | None, load_format: str = "auto") -> ResolvedModel
     elif model in preset_names():
         config_dict = json.loads((PRESET_DIR / f"{model}.json").read_text())
         hf_config = AutoConfig.for_model(**config_dict)
+        model_class_for(hf_config)  # an unsupported architecture fails here, before tokenizer, workers or weights
         return ResolvedModel(model, hf_config, None, None)
     else:
         raise ValueError(f"model {model!r} is neither a .gguf file, an HF checkpoint directory, nor a preset "
@@ -53,6 +55,7 @@ def resolve_model(model: str | None, load_format: str = "auto") -> ResolvedModel
     if not (directory / "config.json").exists():
         raise ValueError(f"model directory {directory} has no config.json")
     hf_config = AutoConfig.from_pretrained(str(directory))
+    model_class_for(hf_config)
     has_tokenizer = any((directory / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
     weights = None if load_format == "dummy" else directory
     return ResolvedModel(path.stem if path.is_file() else path.name, hf_config, weights, directory if has_tokenizer else None)

@@ -29,11 +29,27 @@ def parameter_loaders(model: nn.Module) -> dict[str, tuple[nn.Parameter, Callabl
     return loaders
 
 
+def load_whole(param: nn.Parameter, loader: Callable, loaded: torch.Tensor) -> None:
+    """Load a full (unsharded) tensor into `param` through its layer's `loader`; a packed parameter's tensor
+    (q|k|v, gate|up stacked along dim 0, as Phi-3 checkpoints store them) is cut into its parts, each loaded like
+    a separate checkpoint tensor, so that every rank takes its own heads or rows of each part."""
+    parts = getattr(param, "packed_parts", None)
+    if parts is None:
+        loader(param, loaded)
+        return
+    if loaded.shape[0] != sum(parts.values()):
+        raise ValueError(f"packed tensor of {loaded.shape[0]} rows, expected {sum(parts.values())} "
+                         f"({' + '.join(f'{k}: {v}' for k, v in parts.items())})")
+    for part_id, part in zip(parts, loaded.split(list(parts.values()))):
+        loader(param, part, part_id)
+
+
 def load_safetensors_weights(model: nn.Module, directory: Path) -> None:
     """Load every `*.safetensors` shard of an HF checkpoint directory, one tensor at a time.
 
     Packed parameters (q/k/v -> qkv_proj, gate/up -> gate_up_proj) are filled part by part through their
-    layer's `weight_loader`, which also takes this rank's tensor-parallel slice."""
+    layer's `weight_loader`, which also takes this rank's tensor-parallel slice; a checkpoint that stores a
+    packed tensor whole (Phi-3's qkv_proj, gate_up_proj) is cut into the same parts."""
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors files in {directory}")
@@ -56,7 +72,7 @@ def load_safetensors_weights(model: nn.Module, directory: Path) -> None:
                 param, loader = params[target]
                 tensor = f.get_tensor(name)
                 if part is None:
-                    loader(param, tensor)
+                    load_whole(param, loader, tensor)
                 else:
                     loader(param, tensor, part)
                 loaded.add(target)
@@ -83,10 +99,4 @@ def load_dummy_weights(model: nn.Module, seed: int = 0) -> None:
             generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
         full = torch.empty(getattr(param, "full_shape", param.shape), dtype=param.dtype, device=param.device)
         full.uniform_(-0.05, 0.05, generator=generators[param.device])
-        loader = loaders[name][1]
-        parts = getattr(param, "packed_parts", None)
-        if parts is None:
-            loader(param, full)
-            continue
-        for part_id, part in zip(parts, full.split(list(parts.values()))):
-            loader(param, part, part_id)
+        load_whole(param, loaders[name][1], full)

@@ -1,50 +1,106 @@
-"""One Llama-family decoder driven by the HF config: Llama (incl. SmolLM2), Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm)."""
+"""One Llama-family decoder driven by the HF config: Llama (incl. SmolLM2), Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm),
+Mistral (sliding window). Other families with the same skeleton (Gemma 2/3, Phi-3) describe their differences in a
+`DecoderSpec` and reuse these modules."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from nanovllm.attention.metadata import AttentionMetadata
 from nanovllm.distributed import tp_size
-from nanovllm.layers.activation import SiluAndMul
+from nanovllm.layers.activation import GeluTanhAndMul, SiluAndMul
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanovllm.layers.norm import RMSNorm
 from nanovllm.layers.rotary import RotaryEmbedding, rope_parameters
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+# HF's hidden_act names -> the [gate | up] activation
+ACTIVATIONS = {"silu": SiluAndMul, "gelu_pytorch_tanh": GeluTanhAndMul}
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+@dataclass(frozen=True)
+class DecoderSpec:
+    """How a pre-norm decoder of the Llama skeleton differs from Llama, read from the HF config by its family."""
+
+    layer_windows: tuple[int | None, ...]  # per layer: its sliding window, None for global attention
+    layer_rope: tuple[dict, ...]  # per layer: rope parameters (see layers/rotary.py)
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # per-head RMSNorm of q and k before rotary (Qwen3, Gemma 3)
+    unit_offset_norms: bool = False  # Gemma: RMSNorm scale 1 + w
+    sandwich_norms: bool = False  # Gemma 2/3: attention and MLP outputs are normed again before the residual add
+    hidden_act: str = "silu"
+    embed_scale: float | None = None  # Gemma: embeddings times sqrt(hidden_size)
+    attn_scale: float | None = None  # None: head_dim ** -0.5
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+
+
+def layer_windows(config) -> tuple[int | None, ...]:
+    """Each layer's sliding window: from `layer_types` where the config has them (Gemma 2/3, Qwen2/3 of
+    transformers >= 4.53), else `sliding_window` for every layer when set (Mistral, Phi-3). A window that spans
+    max_position_embeddings hides nothing (Phi-3.5's 262144): those layers take the unwindowed path."""
+    num_layers = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    if window is not None and window >= config.max_position_embeddings:
+        window = None
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        enabled = window is not None and getattr(config, "use_sliding_window", True)
+        return (window if enabled else None,) * num_layers
+    if len(types) != num_layers or not set(types) <= set(LAYER_TYPES):
+        raise ValueError(f"layer_types {types!r}: expected {num_layers} entries of {', '.join(LAYER_TYPES)}")
+    if "sliding_attention" in types and getattr(config, "sliding_window", None) is None:
+        raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
+    return tuple(window if t == "sliding_attention" else None for t in types)
+
+
+def llama_spec(config) -> DecoderSpec:
+    model_type = config.model_type
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model_type {model_type!r} is not supported by the Llama decoder "
+                         f"({', '.join(SUPPORTED_MODEL_TYPES)} are)")
+    attention_bias = getattr(config, "attention_bias", False)
+    # Qwen2 always has q/k/v bias and never an o_proj bias; Llama and Qwen3 use `attention_bias` for both.
+    return DecoderSpec(
+        layer_windows=layer_windows(config), layer_rope=(rope_parameters(config),) * config.num_hidden_layers,
+        qkv_bias=model_type == "qwen2" or attention_bias, o_bias=model_type != "qwen2" and attention_bias,
+        mlp_bias=getattr(config, "mlp_bias", False), qk_norm=model_type == "qwen3", hidden_act=config.hidden_act)
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, config, fused: bool):
+    def __init__(self, config, spec: DecoderSpec, layer: int, fused: bool):
         super().__init__()
-        model_type = config.model_type
         self.head_dim = head_dim_of(config)
-        # Qwen2 always has q/k/v bias and never an o_proj bias; Llama and Qwen3 use `attention_bias` for both.
-        qkv_bias = model_type == "qwen2" or getattr(config, "attention_bias", False)
-        o_bias = model_type != "qwen2" and getattr(config, "attention_bias", False)
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
-                                          config.num_key_value_heads, bias=qkv_bias, fused=fused)
+                                          config.num_key_value_heads, bias=spec.qkv_bias, fused=fused)
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
-        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=o_bias,
-                                        fused=fused)
-        self.qk_norm = model_type == "qwen3"
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
+                                        bias=spec.o_bias, fused=fused)
+        self.qk_norm = spec.qk_norm
         if self.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(self.head_dim, config.max_position_embeddings, rope_parameters(config))
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, unit_offset=spec.unit_offset_norms)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, unit_offset=spec.unit_offset_norms)
+        self.rotary = RotaryEmbedding(self.head_dim, config.max_position_embeddings, spec.layer_rope[layer])
         self.qk_norm_rope = None
-        if fused:  # q/k norm and rotary of all heads in one kernel
+        if fused and self.rotary.rotary_dim == self.head_dim:  # q/k norm and rotary of all heads in one kernel
             from nanovllm.kernels.fused_ops import qk_norm_rope
 
             self.qk_norm_rope = qk_norm_rope
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
+        scale = spec.attn_scale if spec.attn_scale is not None else self.head_dim ** -0.5
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale,
+                              sliding_window=spec.layer_windows[layer], logit_softcap=spec.attn_logit_softcap)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
@@ -65,47 +121,65 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config, fused: bool):
+    def __init__(self, config, spec: DecoderSpec, fused: bool):
         super().__init__()
-        bias = getattr(config, "mlp_bias", False)
+        bias = spec.mlp_bias
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias,
                                                        fused=fused)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias, fused=fused)
-        if config.hidden_act != "silu":
-            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (silu is)")
-        self.act = SiluAndMul(fused)
+        if spec.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act {spec.hidden_act!r} is not supported ({', '.join(ACTIVATIONS)} are)")
+        self.act = SiluAndMul(fused) if spec.hidden_act == "silu" else ACTIVATIONS[spec.hidden_act]()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, fused: bool):
+    def __init__(self, config, spec: DecoderSpec, layer: int, fused: bool):
         super().__init__()
-        self.self_attn = LlamaAttention(config, fused)
-        self.mlp = LlamaMLP(config, fused)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
+        self.self_attn = LlamaAttention(config, spec, layer, fused)
+        self.mlp = LlamaMLP(config, spec, fused)
+
+        def norm() -> RMSNorm:
+            return RMSNorm(config.hidden_size, config.rms_norm_eps, fused, unit_offset=spec.unit_offset_norms)
+
+        self.input_layernorm = norm()
+        self.post_attention_layernorm = norm()
+        self.sandwich = spec.sandwich_norms
+        if self.sandwich:  # HF's names: post_attention_layernorm is then the norm of the attention output
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
 
     def forward(self, positions, hidden, residual, meta):
+        """Returns (the MLP's output, the residual stream before it): the next norm adds the two."""
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden, meta)
+        if self.sandwich:
+            hidden = self.post_attention_layernorm(hidden)
+            hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
+            return self.post_feedforward_layernorm(self.mlp(hidden)), residual
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, fused: bool):
+    def __init__(self, config, spec: DecoderSpec, fused: bool):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, fused) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
+        # The scale rounded to the model's dtype (the default dtype while it is built), as HF's Gemma rounds it.
+        self.embed_scale = None if spec.embed_scale is None else float(
+            torch.tensor(spec.embed_scale, dtype=torch.get_default_dtype()))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, spec, i, fused) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused, unit_offset=spec.unit_offset_norms)
 
     def forward(self, input_ids, positions, meta):
         hidden, residual = self.embed_tokens(input_ids), None
+        if self.embed_scale is not None:
+            hidden = hidden * self.embed_scale
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, meta)
         hidden, _ = self.norm(hidden, residual)
@@ -122,15 +196,19 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
+    @staticmethod
+    def decoder_spec(config) -> DecoderSpec:
+        return llama_spec(config)
+
     def __init__(self, config, fused_ops: bool = False):
         """`fused_ops`: RMSNorm, q/k norm + rotary, SiLU-and-mul and decode-sized projections as Triton kernels
         (CUDA only)."""
         super().__init__()
-        if config.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model_type {config.model_type!r} is not supported ({', '.join(SUPPORTED_MODEL_TYPES)} are)")
+        spec = self.decoder_spec(config)
         self.config = config
-        self.model = LlamaModel(config, fused_ops)
+        self.model = LlamaModel(config, spec, fused_ops)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.final_logit_softcap = spec.final_logit_softcap
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -139,7 +217,10 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        if logits is not None and self.final_logit_softcap is not None:
+            logits = torch.tanh(logits / self.final_logit_softcap) * self.final_logit_softcap
+        return logits
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]

@@ -12,7 +12,8 @@ from nanovllm.config import EngineConfig
 from nanovllm.distributed import min_over_ranks
 from nanovllm.layers.sampler import SamplingTensors, sample
 from nanovllm.loaders import ResolvedModel, load_dummy_weights, load_safetensors_weights
-from nanovllm.models.llama import LlamaForCausalLM, head_dim_of, kv_block_bytes, kv_heads_per_rank
+from nanovllm.models.llama import head_dim_of, kv_block_bytes, kv_heads_per_rank
+from nanovllm.models.registry import model_class_for
 from nanovllm.runner.cuda_graphs import DecodeGraphs
 from nanovllm.runner.inputs import StepHandle, StepInputs
 from nanovllm.runner.step_buffers import (
@@ -95,7 +96,8 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                self.model = LlamaForCausalLM(self.hf_config, fused_ops=config.fused_ops and self.device.type == "cuda")
+                model_class = model_class_for(self.hf_config)
+                self.model = model_class(self.hf_config, fused_ops=config.fused_ops and self.device.type == "cuda")
         finally:
             torch.set_default_dtype(default_dtype)
         if resolved.weights_dir is None:
