@@ -99,10 +99,10 @@ def cache_memory(config: EngineConfig, hf: object, num_blocks: int | None) -> di
     elif device.type == "cpu":
         num_blocks, source = config.cpu_kv_cache_bytes // bytes_per_block, "the CPU KV budget (--kv-cache-gib)"
     else:
-        from nanovllm.models.llama import LlamaForCausalLM
+        from nanovllm.models.registry import model_class_for
 
         with torch.device("meta"):
-            weights = sum(p.numel() for p in LlamaForCausalLM(hf).parameters()) * itemsize
+            weights = sum(p.numel() for p in model_class_for(hf)(hf).parameters()) * itemsize
         total = torch.cuda.get_device_properties(device).total_memory
         num_blocks = max(int(total * config.gpu_memory_utilization - weights) // bytes_per_block, 1)
         source = "GPU memory x gpu_memory_utilization - weights (activations not counted: an upper bound)"

@@ -14,7 +14,8 @@ from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.step_buffers import DeviceBlockTables, Field, SequenceRows, StepBuffers
 from nanovllm.layers.sampler import SamplingTensors, sample
 from nanovllm.loaders import ResolvedModel, load_dummy_weights, load_safetensors_weights
-from nanovllm.models.llama import LlamaForCausalLM, head_dim_of, kv_block_bytes, kv_heads_per_rank
+from nanovllm.models.llama import head_dim_of, kv_block_bytes, kv_heads_per_rank
+from nanovllm.models.registry import model_class_for
 
 
 @dataclass
@@ -94,7 +95,8 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                self.model = LlamaForCausalLM(self.hf_config, fused_ops=config.fused_ops and self.device.type == "cuda")
+                self.model = model_class_for(self.hf_config)(self.hf_config,
+                                                             fused_ops=config.fused_ops and self.device.type == "cuda")
         finally:
             torch.set_default_dtype(default_dtype)
         if resolved.weights_dir is None:

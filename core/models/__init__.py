@@ -1,3 +1,6 @@
-from nanovllm.models.llama import SUPPORTED_MODEL_TYPES, LlamaForCausalLM
+from nanovllm.models.llama import LlamaForCausalLM
+from nanovllm.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
+from nanovllm.models.registry import MODEL_CLASSES, model_class_for
 
-__all__ = ["LlamaForCausalLM", "SUPPORTED_MODEL_TYPES"]
+__all__ = ["LlamaForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MODEL_CLASSES",
+           "model_class_for"]

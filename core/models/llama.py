@@ -1,5 +1,10 @@
-"""One Llama-family decoder driven by the HF config: Llama (incl. SmolLM2), Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm)."""
+"""One Llama-family decoder driven by the HF config: Llama (incl. SmolLM2), Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm).
+
+Its feed-forward block is pluggable (`LlamaForCausalLM.mlp_for_layer`): the mixture-of-experts families
+(models/moe.py) are this decoder with a different block in some or all layers."""
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -13,8 +18,6 @@ from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 from nanovllm.layers.norm import RMSNorm
 from nanovllm.layers.rotary import RotaryEmbedding, rope_parameters
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
-
 
 def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -25,16 +28,18 @@ class LlamaAttention(nn.Module):
         super().__init__()
         model_type = config.model_type
         self.head_dim = head_dim_of(config)
-        # Qwen2 always has q/k/v bias and never an o_proj bias; Llama and Qwen3 use `attention_bias` for both.
-        qkv_bias = model_type == "qwen2" or getattr(config, "attention_bias", False)
-        o_bias = model_type != "qwen2" and getattr(config, "attention_bias", False)
+        # Qwen2 always has q/k/v bias and never an o_proj bias; Qwen2-MoE says so in `qkv_bias`; Llama and Qwen3
+        # use `attention_bias` for both.
+        qkv_bias = (model_type == "qwen2" or getattr(config, "attention_bias", False)
+                    or (model_type == "qwen2_moe" and getattr(config, "qkv_bias", True)))
+        o_bias = model_type not in ("qwen2", "qwen2_moe") and getattr(config, "attention_bias", False)
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
                                           config.num_key_value_heads, bias=qkv_bias, fused=fused)
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=o_bias,
                                         fused=fused)
-        self.qk_norm = model_type == "qwen3"
+        self.qk_norm = model_type in ("qwen3", "qwen3_moe")
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -65,12 +70,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config, fused: bool):
+    def __init__(self, config, fused: bool, intermediate_size: int | None = None):
+        """`intermediate_size`: default the config's (MoE models' dense layers and shared experts set theirs)."""
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias,
-                                                       fused=fused)
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias, fused=fused)
+        inter = intermediate_size or config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter] * 2, bias=bias, fused=fused)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias, fused=fused)
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (silu is)")
         self.act = SiluAndMul(fused)
@@ -80,10 +86,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, fused: bool):
+    def __init__(self, config, fused: bool, mlp: nn.Module | None = None):
+        """`mlp`: the feed-forward block (default the dense `LlamaMLP`)."""
         super().__init__()
         self.self_attn = LlamaAttention(config, fused)
-        self.mlp = LlamaMLP(config, fused)
+        self.mlp = mlp if mlp is not None else LlamaMLP(config, fused)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
 
@@ -98,10 +105,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, fused: bool):
+    def __init__(self, config, fused: bool, mlp_for_layer: Callable[[int], nn.Module | None] = lambda index: None):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, fused) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, fused, mlp_for_layer(index))
+                                    for index in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
 
     def forward(self, input_ids, positions, meta):
@@ -126,14 +134,24 @@ class LlamaForCausalLM(nn.Module):
         """`fused_ops`: RMSNorm, q/k norm + rotary, SiLU-and-mul and decode-sized projections as Triton kernels
         (CUDA only)."""
         super().__init__()
-        if config.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model_type {config.model_type!r} is not supported ({', '.join(SUPPORTED_MODEL_TYPES)} are)")
         self.config = config
-        self.model = LlamaModel(config, fused_ops)
+        self.fused_ops = fused_ops
+        self.model = LlamaModel(config, fused_ops, self.mlp_for_layer)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def mlp_for_layer(self, index: int) -> nn.Module | None:
+        """The feed-forward block of layer `index`; None: the dense `LlamaMLP`."""
+        return None
+
+    @classmethod
+    def tensor_parallel_dims(cls, config) -> dict[str, int]:
+        """The config sizes that tensor parallelism splits evenly across ranks."""
+        return {"num_attention_heads": config.num_attention_heads,
+                "num_key_value_heads": config.num_key_value_heads,
+                "intermediate_size": config.intermediate_size}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, meta)

@@ -1,0 +1,196 @@
+"""The experts of a mixture-of-experts layer as two grouped GEMM launches, whatever the number of experts.
+
+Every token picks `top_k` experts; each (token, slot) pair is one row of work. The rule:
+
+1. `align_by_expert`: the pairs are sorted by expert id (stable, so a pair's order within its expert is its
+   order in the batch) and each expert's run of pairs is padded up to a multiple of `block_m`. Every block of
+   `block_m` rows of that layout then belongs to exactly one expert, recorded per block (-1: a block past the
+   last expert's run, for which the launch grid has room but there is no work). Padding rows carry the id
+   `num_pairs`, which no pair has. All of it is device work with no host synchronisation, so the layer can be
+   captured in a CUDA graph, and the grid depends only on the number of tokens.
+2. `_gate_up_kernel` (one launch for all experts): a program takes one block of rows and one tile of the
+   intermediate dimension, reads its expert from the block, gathers its tokens' hidden states and multiplies
+   them by that expert's gate and up rows, and writes silu(gate) * up in the sorted layout.
+3. `_down_kernel` (one launch): the same blocks times the expert's down projection; the epilogue multiplies
+   each row by its pair's router weight and writes it to the pair's own row ([tokens * top_k, hidden]).
+4. The top_k rows of each token are summed in a fixed order (deterministic).
+
+A decode step of one token therefore reads only the `top_k` experts it picked, in two launches; no launch is
+ever made per expert. `moe_experts_torch` is the per-expert loop (CPU path, test reference, benchmark
+baseline)."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+
+class MoeBlocks(NamedTuple):
+    """The expert-sorted layout of a batch's (token, slot) pairs (see the module docstring)."""
+
+    sorted_pairs: torch.Tensor  # [num_blocks * block_m] int32: pair id (token * top_k + slot), or num_pairs
+    block_expert: torch.Tensor  # [num_blocks] int32: the expert of each block of rows, -1 for unused blocks
+    block_m: int
+
+
+def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Blocks the padded layout can need: each expert with pairs rounds its run up by at most one block."""
+    return triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
+
+
+def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoeBlocks:
+    """topk_ids: [tokens, top_k] expert ids. Sort the pairs by expert and pad each expert's run to `block_m`."""
+    flat = topk_ids.reshape(-1)
+    num_pairs = flat.numel()
+    device = flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
+    blocks_of_expert = (counts + block_m - 1) // block_m
+    block_end = blocks_of_expert.cumsum(0)
+    first_row = (block_end - blocks_of_expert) * block_m  # where each expert's run starts in the padded layout
+    order = torch.argsort(flat, stable=True)
+    sorted_experts = flat[order]
+    rank_in_expert = torch.arange(num_pairs, device=device) - (counts.cumsum(0) - counts)[sorted_experts]
+    num_blocks = max_blocks(num_pairs, num_experts, block_m)
+    sorted_pairs = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.int32, device=device)
+    sorted_pairs.scatter_(0, first_row[sorted_experts] + rank_in_expert, order.to(torch.int32))
+    block_expert = torch.searchsorted(block_end, torch.arange(num_blocks, device=device), right=True)
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    return MoeBlocks(sorted_pairs, block_expert, block_m)
+
+
+class MoeTiles(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def choose_tiles(num_pairs: int, num_experts: int) -> MoeTiles:
+    """Row blocks about as tall as an expert's average share of the pairs (16 to 64): decode-sized batches
+    waste little padding, prefill chunks get full tensor-core tiles."""
+    per_expert = max(num_pairs // num_experts, 1)
+    block_m = min(64, max(16, triton.next_power_of_2(per_expert)))
+    return MoeTiles(block_m, 64 if block_m <= 32 else 128, 64)
+
+
+@triton.jit
+def _gate_up_kernel(x, w13, act, sorted_pairs, block_expert, num_pairs, inter, hidden,
+                    stride_xt, stride_we, stride_wn, stride_ar,
+                    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """act[row] = silu(x[token] @ gate_e^T) * (x[token] @ up_e^T) for the rows of one block (expert e); w13[e]
+    holds gate rows [0, inter) then up rows [inter, 2 inter)."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    expert = tl.load(block_expert + pid_m)
+    if expert < 0:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_pairs + rows)
+    row_ok = pairs < num_pairs
+    tokens = (pairs // TOP_K).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < inter
+    offs_k = tl.arange(0, BLOCK_K)
+    x_tile = x + tokens[:, None] * stride_xt + offs_k[None, :]
+    gate_tile = w13 + expert.to(tl.int64) * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    up_tile = gate_tile + inter * stride_wn
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, hidden, BLOCK_K):
+        k_ok = (k + offs_k) < hidden
+        a = tl.load(x_tile + k, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w_mask = n_ok[:, None] & k_ok[None, :]
+        acc_gate = tl.dot(a, tl.trans(tl.load(gate_tile + k, mask=w_mask, other=0.0)), acc_gate)
+        acc_up = tl.dot(a, tl.trans(tl.load(up_tile + k, mask=w_mask, other=0.0)), acc_up)
+    result = acc_gate * tl.sigmoid(acc_gate) * acc_up
+    out = act + rows.to(tl.int64)[:, None] * stride_ar + offs_n[None, :]
+    tl.store(out, result.to(act.dtype.element_ty), mask=n_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(act, w2, out, topk_weights, sorted_pairs, block_expert, num_pairs, hidden, inter,
+                 stride_ar, stride_we, stride_wn, stride_or,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[pair] = weight[pair] * (act[row] @ down_e^T) for the rows of one block (expert e); padding rows are
+    not written."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    expert = tl.load(block_expert + pid_m)
+    if expert < 0:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_pairs + rows)
+    row_ok = pairs < num_pairs
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < hidden
+    offs_k = tl.arange(0, BLOCK_K)
+    a_tile = act + rows.to(tl.int64)[:, None] * stride_ar + offs_k[None, :]
+    w_tile = w2 + expert.to(tl.int64) * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, inter, BLOCK_K):
+        k_ok = (k + offs_k) < inter
+        a = tl.load(a_tile + k, mask=k_ok[None, :], other=0.0)
+        w = tl.load(w_tile + k, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(a, tl.trans(w), acc)
+    weight = tl.load(topk_weights + pairs, mask=row_ok, other=0.0).to(tl.float32)
+    result = acc * weight[:, None]
+    dst = out + pairs.to(tl.int64)[:, None] * stride_or + offs_n[None, :]
+    tl.store(dst, result.to(out.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, tiles: MoeTiles | None = None) -> torch.Tensor:
+    """x: [T, H]; w13: [E, 2I, H] (gate rows, then up rows); w2: [E, H, I]; topk_weights, topk_ids: [T, K].
+    Returns sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]), [T, H] in x's dtype."""
+    num_tokens, hidden = x.shape
+    num_experts, two_inter, _ = w13.shape
+    inter = two_inter // 2
+    top_k = topk_ids.shape[1]
+    assert w13.shape[2] == hidden and w2.shape == (num_experts, hidden, inter)
+    assert x.stride(1) == 1 and w13.is_contiguous() and w2.is_contiguous()
+    num_pairs = num_tokens * top_k
+    tiles = tiles or choose_tiles(num_pairs, num_experts)
+    blocks = align_by_expert(topk_ids, num_experts, tiles.block_m)
+    num_blocks = blocks.block_expert.numel()
+    act = torch.empty(blocks.sorted_pairs.numel(), inter, dtype=x.dtype, device=x.device)
+    _gate_up_kernel[(triton.cdiv(inter, tiles.block_n), num_blocks)](
+        x, w13, act, blocks.sorted_pairs, blocks.block_expert, num_pairs, inter, hidden,
+        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        TOP_K=top_k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    per_pair = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    _down_kernel[(triton.cdiv(hidden, tiles.block_n), num_blocks)](
+        act, w2, per_pair, topk_weights.reshape(-1), blocks.sorted_pairs, blocks.block_expert, num_pairs, hidden,
+        inter, act.stride(0), w2.stride(0), w2.stride(1), per_pair.stride(0),
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    return per_pair.view(num_tokens, top_k, hidden).sum(dim=1)
+
+
+def moe_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                      topk_ids: torch.Tensor) -> torch.Tensor:
+    """The same sum as `fused_moe`, one matmul pair per expert that has tokens (a loop in Python, one host
+    synchronisation to learn the experts' counts): the CPU path, the kernel's reference, the benchmark's
+    baseline. Accumulates in float32."""
+    num_tokens, top_k = topk_ids.shape
+    inter = w13.shape[1] // 2
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
+    weights = topk_weights.reshape(-1).float()
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        pairs = order[start:start + count]
+        start += count
+        tokens = pairs // top_k
+        gate_up = F.linear(x[tokens], w13[expert])
+        hidden = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        out.index_add_(0, tokens, F.linear(hidden, w2[expert]).float() * weights[pairs, None])
+    return out.to(x.dtype)
