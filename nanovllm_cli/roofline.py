@@ -8,11 +8,13 @@ the bound is one device's share over one device's ceilings."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from nanovllm.distributed import tp_size
+from nanovllm.models.costs import decode_batch_sizes, weight_costs
 from nanovllm.models.llama import head_dim_of, kv_block_bytes, kv_heads_per_rank
 
 
@@ -22,21 +24,19 @@ class ModelCosts:
     weight_bytes_per_step: int  # weights a step reads (the embedding table only gathers rows; this rank's shard)
     flops_per_token: int  # matmul FLOPs of one token through this rank's shard, logits included
     attention_flops_per_pair: int  # QK^T and PV FLOPs of one (query, key) pair over all layers (this rank's heads)
+    # MoE: the weight bytes a decode step of that many sequences reads (the experts its tokens select); None:
+    # weight_bytes_per_step (all weights) every step
+    decode_weight_bytes: Callable[[int], float] | None = None
 
 
 def model_costs(hf_config, model: torch.nn.Module, dtype: torch.dtype) -> ModelCosts:
     head_dim = head_dim_of(hf_config)
     layers = hf_config.num_hidden_layers
     kv = kv_block_bytes(hf_config, 1, dtype.itemsize, kv_heads_per_rank(hf_config))  # a block of one token
-    unique = {p.data_ptr(): p for p in model.parameters()}.values()
-    embedding = model.model.embed_tokens.weight
-    tied = model.lm_head.weight.data_ptr() == embedding.data_ptr()
-    matmul_params = sum(p.numel() for p in unique if p.dim() == 2) - (0 if tied else embedding.numel())
-    weight_bytes = sum(p.numel() * p.element_size() for p in unique)
-    if not tied:
-        weight_bytes -= embedding.numel() * embedding.element_size()
-    return ModelCosts(kv, weight_bytes, 2 * matmul_params,
-                     4 * layers * hf_config.num_attention_heads // tp_size() * head_dim)
+    weights = weight_costs(model)  # core/models/costs.py: the MoE cost model lives there
+    return ModelCosts(kv, weights.all_bytes, weights.flops_per_token(),
+                      4 * layers * hf_config.num_attention_heads // tp_size() * head_dim,
+                      weights.decode_step_bytes if weights.expert_layers else None)
 
 
 @dataclass
@@ -89,7 +89,11 @@ def roofline_seconds(costs: ModelCosts, prompt_lens: list[int], output_lens: lis
     kv_tokens_read = sum((n - 1) * p + n * (n - 1) // 2 for p, n in zip(prompt_lens, output_lens))
     waves = math.ceil(len(output_lens) / max_num_seqs)
     decode_steps = waves * (max(output_lens) - 1)
-    decode_bytes = kv_tokens_read * costs.kv_bytes_per_token + decode_steps * costs.weight_bytes_per_step
+    if costs.decode_weight_bytes is None:
+        weight_bytes = decode_steps * costs.weight_bytes_per_step
+    else:
+        weight_bytes = sum(map(costs.decode_weight_bytes, decode_batch_sizes(output_lens, max_num_seqs)))
+    decode_bytes = kv_tokens_read * costs.kv_bytes_per_token + weight_bytes
     prefill_flops = sum(p * costs.flops_per_token + p * (p + 1) // 2 * costs.attention_flops_per_pair
                         for p in prompt_lens)
     return decode_bytes / ceilings.copy_bytes_per_s + prefill_flops / ceilings.matmul_flops_per_s

@@ -43,10 +43,6 @@ class _MoeForCausalLM(LlamaForCausalLM):
         step = getattr(config, "decoder_sparse_step", 1) or 1
         return index not in (getattr(config, "mlp_only_layers", None) or []) and (index + 1) % step == 0
 
-    @property
-    def moe_blocks(self) -> list[SparseMoeBlock]:
-        return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
-
 
 class Qwen3MoeForCausalLM(_MoeForCausalLM):
     def mlp_for_layer(self, index: int) -> nn.Module | None:
