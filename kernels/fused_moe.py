@@ -16,14 +16,16 @@ Every token picks `top_k` experts; each (token, slot) pair is one row of work. T
 4. The top_k rows of each token are summed in a fixed order (deterministic).
 
 A decode step of one token therefore reads only the `top_k` experts it picked, in two launches; no launch is
-ever made per expert. `moe_experts_torch` is the per-expert loop (CPU path, test reference, benchmark
-baseline)."""
+ever made per expert. The per-expert loop it replaces, `moe_experts_torch`, is in core/layers/moe.py (the CPU
+path, the kernels' reference and the benchmark's baseline: no Triton there).
+
+float32 inputs multiply in IEEE float32 (tl.dot would otherwise round them to TF32); half types accumulate in
+float32."""
 from __future__ import annotations
 
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -80,7 +82,8 @@ def choose_tiles(num_pairs: int, num_experts: int) -> MoeTiles:
 @triton.jit
 def _gate_up_kernel(x, w13, act, sorted_pairs, block_expert, num_pairs, inter, hidden,
                     stride_xt, stride_we, stride_wn, stride_ar,
-                    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    PRECISION: tl.constexpr):
     """act[row] = silu(x[token] @ gate_e^T) * (x[token] @ up_e^T) for the rows of one block (expert e); w13[e]
     holds gate rows [0, inter) then up rows [inter, 2 inter)."""
     pid_n = tl.program_id(0)
@@ -104,8 +107,9 @@ def _gate_up_kernel(x, w13, act, sorted_pairs, block_expert, num_pairs, inter, h
         k_ok = (k + offs_k) < hidden
         a = tl.load(x_tile + k, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w_mask = n_ok[:, None] & k_ok[None, :]
-        acc_gate = tl.dot(a, tl.trans(tl.load(gate_tile + k, mask=w_mask, other=0.0)), acc_gate)
-        acc_up = tl.dot(a, tl.trans(tl.load(up_tile + k, mask=w_mask, other=0.0)), acc_up)
+        acc_gate = tl.dot(a, tl.trans(tl.load(gate_tile + k, mask=w_mask, other=0.0)), acc_gate,
+                          input_precision=PRECISION)
+        acc_up = tl.dot(a, tl.trans(tl.load(up_tile + k, mask=w_mask, other=0.0)), acc_up, input_precision=PRECISION)
     result = acc_gate * tl.sigmoid(acc_gate) * acc_up
     out = act + rows.to(tl.int64)[:, None] * stride_ar + offs_n[None, :]
     tl.store(out, result.to(act.dtype.element_ty), mask=n_ok[None, :])
@@ -114,7 +118,7 @@ def _gate_up_kernel(x, w13, act, sorted_pairs, block_expert, num_pairs, inter, h
 @triton.jit
 def _down_kernel(act, w2, out, topk_weights, sorted_pairs, block_expert, num_pairs, hidden, inter,
                  stride_ar, stride_we, stride_wn, stride_or,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     """out[pair] = weight[pair] * (act[row] @ down_e^T) for the rows of one block (expert e); padding rows are
     not written."""
     pid_n = tl.program_id(0)
@@ -135,7 +139,7 @@ def _down_kernel(act, w2, out, topk_weights, sorted_pairs, block_expert, num_pai
         k_ok = (k + offs_k) < inter
         a = tl.load(a_tile + k, mask=k_ok[None, :], other=0.0)
         w = tl.load(w_tile + k, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = tl.dot(a, tl.trans(w), acc)
+        acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
     weight = tl.load(topk_weights + pairs, mask=row_ok, other=0.0).to(tl.float32)
     result = acc * weight[:, None]
     dst = out + pairs.to(tl.int64)[:, None] * stride_or + offs_n[None, :]
@@ -156,41 +160,17 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     tiles = tiles or choose_tiles(num_pairs, num_experts)
     blocks = align_by_expert(topk_ids, num_experts, tiles.block_m)
     num_blocks = blocks.block_expert.numel()
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # the latter is ignored for half types
     act = torch.empty(blocks.sorted_pairs.numel(), inter, dtype=x.dtype, device=x.device)
     _gate_up_kernel[(triton.cdiv(inter, tiles.block_n), num_blocks)](
         x, w13, act, blocks.sorted_pairs, blocks.block_expert, num_pairs, inter, hidden,
         x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        TOP_K=top_k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        TOP_K=top_k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, PRECISION=precision,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     per_pair = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     _down_kernel[(triton.cdiv(hidden, tiles.block_n), num_blocks)](
         act, w2, per_pair, topk_weights.reshape(-1), blocks.sorted_pairs, blocks.block_expert, num_pairs, hidden,
         inter, act.stride(0), w2.stride(0), w2.stride(1), per_pair.stride(0),
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, PRECISION=precision,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return per_pair.view(num_tokens, top_k, hidden).sum(dim=1)
-
-
-def moe_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                      topk_ids: torch.Tensor) -> torch.Tensor:
-    """The same sum as `fused_moe`, one matmul pair per expert that has tokens (a loop in Python, one host
-    synchronisation to learn the experts' counts): the CPU path, the kernel's reference, the benchmark's
-    baseline. Accumulates in float32."""
-    num_tokens, top_k = topk_ids.shape
-    inter = w13.shape[1] // 2
-    flat = topk_ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
-    out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
-    weights = topk_weights.reshape(-1).float()
-    start = 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        pairs = order[start:start + count]
-        start += count
-        tokens = pairs // top_k
-        gate_up = F.linear(x[tokens], w13[expert])
-        hidden = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        out.index_add_(0, tokens, F.linear(hidden, w2[expert]).float() * weights[pairs, None])
-    return out.to(x.dtype)

@@ -15,8 +15,8 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from nanovllm.kernels.fused_moe import MoeTiles, align_by_expert, fused_moe, moe_experts_torch
-from nanovllm.layers.moe import select_experts
+from nanovllm.kernels.fused_moe import MoeTiles, align_by_expert, fused_moe
+from nanovllm.layers.moe import moe_experts_torch, select_experts
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

@@ -24,12 +24,39 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
     return weights, ids
 
 
+def moe_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                      topk_ids: torch.Tensor) -> torch.Tensor:
+    """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) with one matmul pair per expert that has tokens
+    (a loop in Python, one host synchronisation to learn the experts' counts): the CPU path, the reference of
+    kernels/fused_moe.py and its benchmark's baseline. w13: [E, 2I, H] (gate rows, then up rows); w2: [E, H, I].
+    Accumulates in float32."""
+    num_tokens, top_k = topk_ids.shape
+    inter = w13.shape[1] // 2
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
+    weights = topk_weights.reshape(-1).float()
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        pairs = order[start:start + count]
+        start += count
+        tokens = pairs // top_k
+        gate_up = F.linear(x[tokens], w13[expert])
+        hidden = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        out.index_add_(0, tokens, F.linear(hidden, w2[expert]).float() * weights[pairs, None])
+    return out.to(x.dtype)
+
+
 class StackedExperts(nn.Module):
     """`num_experts` SwiGLU experts: gate_up_proj [E, 2 I, H] (this rank's gate rows, then its up rows) and
     down_proj [E, H, I] (this rank's columns), I = intermediate_size / tensor_parallel_size.
 
-    `fused` (CUDA): the grouped Triton GEMMs of kernels/fused_moe.py; otherwise the per-expert torch loop.
-    Returns this rank's partial sum (not reduced)."""
+    On CUDA always the grouped Triton GEMMs of kernels/fused_moe.py: the per-expert loop would wait on the host
+    and cannot be captured in a CUDA graph. On the CPU the loop, unless `fused` (tests run the kernels in
+    Triton's interpreter). Returns this rank's partial sum (not reduced)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, fused: bool = False):
         super().__init__()
@@ -43,14 +70,7 @@ class StackedExperts(nn.Module):
         for param, parts in ((self.gate_up_proj, ("gate", "up")), (self.down_proj, ("down",))):
             param.weight_loader = self.weight_loader
             param.expert_parts = num_experts * len(parts)  # checkpoint tensors that fill it, one per expert and part
-        if fused:
-            from nanovllm.kernels.fused_moe import fused_moe
-
-            self.compute = fused_moe
-        else:
-            from nanovllm.kernels.fused_moe import moe_experts_torch
-
-            self.compute = moe_experts_torch
+        self.fused = fused
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, part: tuple[int, str] | None = None) -> None:
         """`part` None: the whole stacked tensor (full_shape); else (expert, "gate" | "up" | "down"): one expert's
@@ -72,7 +92,11 @@ class StackedExperts(nn.Module):
             param.data[expert, offset:offset + size].copy_(loaded[start:start + size])
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        return self.compute(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+        if self.fused or x.is_cuda:
+            from nanovllm.kernels.fused_moe import fused_moe  # imported only when used: the CPU path needs no Triton
+
+            return fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+        return moe_experts_torch(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
 
 
 class SparseMoeBlock(nn.Module):
