@@ -43,8 +43,32 @@ def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
 
 
-def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoeBlocks:
-    """topk_ids: [tokens, top_k] expert ids. Sort the pairs by expert and pad each expert's run to `block_m`."""
+ALIGN_KERNEL_MAX_PAIRS = 2048  # above this the torch ops' parallel sort beats the one-program kernel
+
+
+def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+                    use_kernel: bool | None = None) -> MoeBlocks:
+    """topk_ids: [tokens, top_k] expert ids. Sort the pairs by expert and pad each expert's run to `block_m`.
+
+    `use_kernel` (default: on CUDA, for decode-sized batches of up to ALIGN_KERNEL_MAX_PAIRS pairs): one launch
+    of `_align_kernel`; otherwise `align_by_expert_torch` (~20 small launches, a parallel sort). Both give the
+    same layout."""
+    num_pairs = topk_ids.numel()
+    if use_kernel is None:
+        use_kernel = topk_ids.is_cuda and num_pairs <= ALIGN_KERNEL_MAX_PAIRS
+    if not use_kernel:
+        return align_by_expert_torch(topk_ids, num_experts, block_m)
+    topk_ids = topk_ids.contiguous()
+    num_blocks = max_blocks(num_pairs, num_experts, block_m)
+    sorted_pairs = torch.empty(num_blocks * block_m, dtype=torch.int32, device=topk_ids.device)
+    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=topk_ids.device)
+    _align_kernel[(1,)](topk_ids, sorted_pairs, block_expert, num_pairs, num_experts, num_blocks,
+                        EXPERTS=triton.next_power_of_2(num_experts), BLOCK=64, BLOCK_M=block_m)
+    return MoeBlocks(sorted_pairs, block_expert, block_m)
+
+
+def align_by_expert_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoeBlocks:
+    """`align_by_expert` as torch ops: a stable sort by expert, each pair's rank in its expert's run."""
     flat = topk_ids.reshape(-1)
     num_pairs = flat.numel()
     device = flat.device
@@ -61,6 +85,41 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> M
     block_expert = torch.searchsorted(block_end, torch.arange(num_blocks, device=device), right=True)
     block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
     return MoeBlocks(sorted_pairs, block_expert, block_m)
+
+
+@triton.jit
+def _align_kernel(topk_ids, sorted_pairs, block_expert, num_pairs, num_experts, num_blocks,
+                  EXPERTS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr):
+    """One program: count the pairs of each expert (one-hot sums over chunks of BLOCK pairs), lay the experts'
+    padded runs out in order, fill every row with the padding id, then give each pair the row of its expert's
+    run at its rank among that expert's earlier pairs (a running count plus the chunk's one-hot cumsum)."""
+    experts = tl.arange(0, EXPERTS)
+    counts = tl.zeros((EXPERTS,), dtype=tl.int32)
+    for start in range(0, num_pairs, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        ids = tl.load(topk_ids + offs, mask=offs < num_pairs, other=EXPERTS)
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    blocks_of = (counts + BLOCK_M - 1) // BLOCK_M
+    block_end = tl.cumsum(blocks_of, axis=0)
+    first_row = (block_end - blocks_of) * BLOCK_M
+    real = experts < num_experts
+    for start in range(0, num_blocks, BLOCK):
+        blocks = start + tl.arange(0, BLOCK)
+        ended = tl.sum(((block_end[None, :] <= blocks[:, None]) & real[None, :]).to(tl.int32), axis=1)
+        tl.store(block_expert + blocks, tl.where(ended < num_experts, ended, -1), mask=blocks < num_blocks)
+    for start in range(0, num_blocks * BLOCK_M, BLOCK):
+        rows = start + tl.arange(0, BLOCK)
+        tl.store(sorted_pairs + rows, tl.full((BLOCK,), 0, tl.int32) + num_pairs, mask=rows < num_blocks * BLOCK_M)
+    tl.debug_barrier()  # the padding ids are written before any thread writes a pair's row
+    seen = tl.zeros((EXPERTS,), dtype=tl.int32)
+    for start in range(0, num_pairs, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        ids = tl.load(topk_ids + offs, mask=offs < num_pairs, other=EXPERTS)
+        onehot = (ids[:, None] == experts[None, :]).to(tl.int32)
+        row_of = first_row[None, :] + seen[None, :] + tl.cumsum(onehot, axis=0) - 1
+        row = tl.sum(onehot * row_of, axis=1)
+        tl.store(sorted_pairs + row, offs, mask=offs < num_pairs)
+        seen += tl.sum(onehot, axis=0)
 
 
 class MoeTiles(NamedTuple):

@@ -39,15 +39,31 @@ def every_pair_reference(x, w13, w2, topk_weights, topk_ids):
     return torch.einsum("tki,tkhi,tk->th", hidden, w2[topk_ids], topk_weights.double())
 
 
-def test_layout_by_hand():
+@pytest.mark.parametrize("use_kernel", [False, True])
+def test_layout_by_hand(use_kernel):
     """Pairs (token*2 + slot) of ids [[2, 0], [2, 3], [0, 2]] sorted by expert, runs padded to 4 rows:
     expert 0: pairs 1, 4; expert 2: pairs 0, 2, 5; expert 3: pair 3; expert 1 has none."""
-    blocks = align_by_expert(torch.tensor([[2, 0], [2, 3], [0, 2]]), num_experts=4, block_m=4)
+    ids = torch.tensor([[2, 0], [2, 3], [0, 2]], device=DEVICE)
+    blocks = align_by_expert(ids, num_experts=4, block_m=4, use_kernel=use_kernel)
     pad = 6
     assert blocks.sorted_pairs.tolist()[:12] == [1, 4, pad, pad, 0, 2, 5, pad, 3, pad, pad, pad]
     assert set(blocks.sorted_pairs.tolist()[12:]) <= {pad}
     # room for cdiv(6, 4) + min(4, 6) = 6 blocks; the three past the last run are unused
     assert blocks.block_expert.tolist() == [0, 2, 3, -1, -1, -1]
+
+
+@pytest.mark.parametrize(("num_tokens", "top_k", "num_experts", "block_m", "case"), [
+    (1, 8, 128, 16, "random"),  # a decode step: 8 experts of 128, one block each
+    (50, 2, 6, 16, "random"),  # several chunks of the kernel's 64 pairs; experts not a power of two
+    (70, 2, 8, 16, "skewed"),  # empty experts, one expert over several blocks
+    (100, 1, 8, 32, "one-expert-takes-all"),
+])
+def test_align_kernel_gives_the_torch_layout(num_tokens, top_k, num_experts, block_m, case):
+    ids = _uneven_loads(num_tokens, num_experts, top_k, case).to(DEVICE)
+    kernel = align_by_expert(ids, num_experts, block_m, use_kernel=True)
+    torch_ops = align_by_expert(ids, num_experts, block_m, use_kernel=False)
+    assert torch.equal(kernel.sorted_pairs, torch_ops.sorted_pairs)
+    assert torch.equal(kernel.block_expert, torch_ops.block_expert)
 
 
 def test_torch_loop_matches_every_pair_formula():
