@@ -6,8 +6,9 @@ Every token picks `top_k` experts; each (token, slot) pair is one row of work. T
    order in the batch) and each expert's run of pairs is padded up to a multiple of `block_m`. Every block of
    `block_m` rows of that layout then belongs to exactly one expert, recorded per block (-1: a block past the
    last expert's run, for which the launch grid has room but there is no work). Padding rows carry the id
-   `num_pairs`, which no pair has. All of it is device work with no host synchronisation, so the layer can be
-   captured in a CUDA graph, and the grid depends only on the number of tokens.
+   `num_pairs`, which no pair has. All of it is device work with no host synchronisation (one launch of
+   `_align_kernel` for decode-sized batches), so the layer can be captured in a CUDA graph, and the grids depend
+   only on the number of tokens.
 2. `_gate_up_kernel` (one launch for all experts): a program takes one block of rows and one tile of the
    intermediate dimension, reads its expert from the block, gathers its tokens' hidden states and multiplies
    them by that expert's gate and up rows, and writes silu(gate) * up in the sorted layout.
