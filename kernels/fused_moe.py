@@ -133,10 +133,13 @@ class MoeTiles(NamedTuple):
 
 def choose_tiles(num_pairs: int, num_experts: int) -> MoeTiles:
     """Row blocks about as tall as an expert's average share of the pairs (16 to 64): decode-sized batches
-    waste little padding, prefill chunks get full tensor-core tiles."""
+    waste little padding, prefill chunks get full tensor-core tiles. 64 columns: the gate/up kernel keeps two
+    accumulators, so wider tiles would spill registers at 64 rows. Untuned: scripts/bench_moe.py --sweep."""
     per_expert = max(num_pairs // num_experts, 1)
     block_m = min(64, max(16, triton.next_power_of_2(per_expert)))
-    return MoeTiles(block_m, 64 if block_m <= 32 else 128, 64)
+    if block_m <= 32:  # decode: stream the weights in long K steps
+        return MoeTiles(block_m, 64, 128, num_warps=4)
+    return MoeTiles(block_m, 64, 64, num_warps=8)
 
 
 @triton.jit
