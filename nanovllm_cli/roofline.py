@@ -7,7 +7,7 @@ weight shard, its KV heads, its attention heads): every rank does an equal share
 bound is one device's share over one device's ceilings."""
 from __future__ import annotations
 
-import math
+import bisect
 from dataclasses import dataclass
 
 import torch
@@ -56,16 +56,27 @@ def measure_ceilings(device: torch.device) -> DeviceCeilings:
                           2 * n ** 3 / matmul_ms * 1e3)
 
 
+def decode_batch_sizes(output_lens: list[int], max_num_seqs: int) -> list[int]:
+    """The batch of every decode step under the roofline's schedule: waves of `max_num_seqs` sequences, each
+    wave as many steps as the longest output of all minus one (prefill samples the first token); a sequence
+    takes part in steps 1 .. its output length - 1."""
+    steps = max(output_lens) - 1
+    batches = []
+    for start in range(0, len(output_lens), max_num_seqs):
+        lens = sorted(output_lens[start:start + max_num_seqs])
+        batches += [len(lens) - bisect.bisect_right(lens, step) for step in range(1, steps + 1)]
+    return batches
+
+
 def roofline_seconds(costs: CostModel, prompt_lens: list[int], output_lens: list[int], max_num_seqs: int,
                      ceilings: DeviceCeilings) -> float:
     """Decode: each output token after the first (which prefill samples) reads its sequence's context of p + j
-    tokens at step j; each step reads the weights, and
-    a batch of at most `max_num_seqs` sequences needs as many steps as its longest output. Prefill: every prompt
+    tokens at step j; each step reads the weights (of a mixture of experts, those its batch selects), and a batch
+    of at most `max_num_seqs` sequences needs as many steps as its longest output. Prefill: every prompt
     token's matmuls plus causal attention."""
     kv_tokens_read = sum((n - 1) * p + n * (n - 1) // 2 for p, n in zip(prompt_lens, output_lens))
-    waves = math.ceil(len(output_lens) / max_num_seqs)
-    decode_steps = waves * (max(output_lens) - 1)
-    decode_bytes = kv_tokens_read * costs.kv_bytes_per_token + decode_steps * costs.weight_bytes_per_step
+    weight_bytes = sum(map(costs.decode_weight_bytes, decode_batch_sizes(output_lens, max_num_seqs)))
+    decode_bytes = kv_tokens_read * costs.kv_bytes_per_token + weight_bytes
     prefill_flops = sum(p * costs.flops_per_token + p * (p + 1) // 2 * costs.attention_flops_per_pair
                         for p in prompt_lens)
     return decode_bytes / ceilings.copy_bytes_per_s + prefill_flops / ceilings.matmul_flops_per_s

@@ -58,7 +58,8 @@ def main() -> None:
         records.clear()
         run_workload(llm, workload, "run", False)
         batch, prefill, tokens, kv_tokens, pairs, device = (np.array(column) for column in zip(*records))
-        bound = ((costs.weight_bytes_per_step + kv_tokens * costs.kv_bytes_per_token) / ceilings.copy_bytes_per_s
+        weight_bytes = np.array([costs.decode_weight_bytes(n) for n in tokens])  # MoE: the experts its tokens select
+        bound = ((weight_bytes + kv_tokens * costs.kv_bytes_per_token) / ceilings.copy_bytes_per_s
                  + (tokens * costs.flops_per_token + pairs * costs.attention_flops_per_pair)
                  / ceilings.matmul_flops_per_s)
         kinds = {"prefill or mixed": prefill > 0}

@@ -103,7 +103,7 @@ def decode_step(llm: LLM, costs, ceilings, batch: int, context: int, profile: bo
         return runner.graphs.replay(size)
 
     decode_ms = median_cuda_ms(decode, repeats=20)
-    bytes_read = batch * context * costs.kv_bytes_per_token + costs.weight_bytes_per_step
+    bytes_read = batch * context * costs.kv_bytes_per_token + costs.decode_weight_bytes(batch)
     report = {"batch": batch, "context": context, "ms": decode_ms, "bytes_read_per_s": bytes_read / decode_ms * 1e3,
               "bandwidth_frac": bytes_read / decode_ms * 1e3 / ceilings.copy_bytes_per_s}
     if profile:

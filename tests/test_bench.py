@@ -4,6 +4,7 @@ import json
 from typer.testing import CliRunner
 
 from nanovllm import LLM, CostModel
+from nanovllm.models.costs import WeightCosts
 from nanovllm.runner.cuda_graphs import batch_size_ladder
 from nanovllm_cli.bench import run_workload, synthetic_workload, warmup_workload
 from nanovllm_cli.main import app
@@ -55,8 +56,8 @@ def test_roofline_by_hand():
     KV tokens read by decode (a step writes its token, then attends to it too): A reads 4 once; B reads 2 then 3
     -> 9 tokens. Decode steps: 2 waves x
     (3 - 1) = 4. Prefill FLOPs: (3 + 1) tokens x 10 + causal pairs (6 + 1) x 2."""
-    costs = CostModel(kv_bytes_per_token=100, weight_bytes_per_step=1000, flops_per_token=10,
-                       attention_flops_per_pair=2)
+    costs = CostModel(kv_bytes_per_token=100, attention_flops_per_pair=2,
+                      weights=WeightCosts(shared_bytes=1000, shared_matmul_params=5, expert_layers=()))
     ceilings = DeviceCeilings("test", copy_bytes_per_s=1e4, matmul_flops_per_s=1e2)
     expected = (9 * 100 + 4 * 1000) / 1e4 + (4 * 10 + 7 * 2) / 1e2
     assert abs(roofline_seconds(costs, [3, 1], [2, 3], 1, ceilings) - expected) < 1e-12

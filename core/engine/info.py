@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from nanovllm.distributed import tp_size
+from nanovllm.models.costs import WeightCosts, weight_costs
 from nanovllm.models.llama import head_dim_of, kv_block_bytes, kv_heads_per_rank
 from nanovllm.runner.cuda_graphs import batch_size_ladder
 
@@ -20,9 +21,22 @@ class CostModel:
     """One rank's share of the work (its weight shard, its KV and attention heads), for a roofline."""
 
     kv_bytes_per_token: int  # K and V of one token over all layers
-    weight_bytes_per_step: int  # weights a step reads (the embedding table only gathers rows)
-    flops_per_token: int  # matmul FLOPs of one token, logits included
     attention_flops_per_pair: int  # QK^T and PV FLOPs of one (query, key) pair over all layers
+    weights: WeightCosts  # the weights' bytes and FLOPs (models/costs.py: dense, or experts a batch selects)
+
+    @property
+    def weight_bytes_per_step(self) -> int:
+        """Every weight (what a step of a dense model reads; the embedding table only gathers rows)."""
+        return self.weights.all_bytes
+
+    @property
+    def flops_per_token(self) -> int:
+        """Matmul FLOPs of one token, logits included (active parameters only, for MoE)."""
+        return self.weights.flops_per_token()
+
+    def decode_weight_bytes(self, batch: int) -> float:
+        """Weight bytes a decode step of `batch` sequences reads."""
+        return self.weights.decode_step_bytes(batch)
 
 
 @dataclass(frozen=True)
@@ -48,18 +62,9 @@ class EngineInfo:
 
 def model_costs(hf_config, model: torch.nn.Module, dtype: torch.dtype) -> CostModel:
     """The cost model of this process's rank of `model` (a whole model when there is no tensor parallelism)."""
-    head_dim = head_dim_of(hf_config)
-    layers = hf_config.num_hidden_layers
     kv = kv_block_bytes(hf_config, 1, dtype.itemsize, kv_heads_per_rank(hf_config))  # a block of one token
-    unique = {p.data_ptr(): p for p in model.parameters()}.values()
-    embedding = model.model.embed_tokens.weight
-    tied = model.lm_head.weight.data_ptr() == embedding.data_ptr()
-    matmul_params = sum(p.numel() for p in unique if p.dim() == 2) - (0 if tied else embedding.numel())
-    weight_bytes = sum(p.numel() * p.element_size() for p in unique)
-    if not tied:
-        weight_bytes -= embedding.numel() * embedding.element_size()
-    return CostModel(kv, weight_bytes, 2 * matmul_params,
-                     4 * layers * hf_config.num_attention_heads // tp_size() * head_dim)
+    attention = 4 * hf_config.num_hidden_layers * hf_config.num_attention_heads // tp_size() * head_dim_of(hf_config)
+    return CostModel(kv, attention, weight_costs(model))
 
 
 def engine_info(llm: LLM) -> EngineInfo:

@@ -30,7 +30,7 @@ class LinearBase(nn.Module):
     `fused` (CUDA): decode-sized half-precision batches go through the skinny GEMM kernel, which joins the
     decode step's chain of programmatically launched kernels (kernels/pdl.py), instead of cuBLAS."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool, shard_dim: int, fused: bool = False):
+    def __init__(self, input_size: int, output_size: int, bias: bool, shard_dim: int | None, fused: bool = False):
         super().__init__()
         self.shard_dim = shard_dim
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
@@ -42,7 +42,8 @@ class LinearBase(nn.Module):
             if self.weight.is_cuda:
                 workspace(self.weight.device)
         full = [output_size, input_size]
-        full[shard_dim] *= tp_size()
+        if shard_dim is not None:
+            full[shard_dim] *= tp_size()
         self.weight.full_shape = tuple(full)
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
@@ -51,7 +52,7 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        if not (param.dim() == 1 and self.shard_dim == 1):
+        if self.shard_dim is not None and not (param.dim() == 1 and self.shard_dim == 1):
             size = param.shape[self.shard_dim]
             loaded = loaded.narrow(self.shard_dim, tp_rank() * size, size)
         param.data.copy_(loaded)
@@ -64,6 +65,13 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    """Every rank holds the whole layer (an MoE router)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(input_size, output_size, bias, shard_dim=None)
 
 
 class ColumnParallelLinear(LinearBase):

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -9,6 +10,10 @@ from torch import nn
 
 # Checkpoint tensors with no parameter in our model: rotary tables are recomputed.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# One expert's matrix in an MoE checkpoint: `<layer>.experts.<index>.<projection>.weight`.
+_EXPERT_TENSOR = re.compile(r"^(?P<experts>.+\.experts)\.(?P<index>\d+)\.(?P<projection>\w+)\.weight$")
+# Stacked expert parameter of each part (models/moe.py's `expert_projections` name the parts).
+_STACKED_PARAMETER = {"gate": "gate_up_proj", "up": "gate_up_proj", "down": "down_proj"}
 
 
 def copy_whole(param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -44,29 +49,45 @@ def load_whole(param: nn.Parameter, loader: Callable, loaded: torch.Tensor) -> N
         loader(param, part, part_id)
 
 
+def checkpoint_target(model: nn.Module, name: str) -> tuple[str, object]:
+    """The parameter a checkpoint tensor fills, and which part of it (None: all of it).
+
+    In order: the model's `checkpoint_renames` (fragment -> fragment); one expert's matrix of an MoE layer ->
+    the stacked `experts.gate_up_proj` / `experts.down_proj`, part (expert index, "gate" | "up" | "down"); packed
+    projections (q/k/v -> qkv_proj, gate/up -> gate_up_proj) through `packed_modules_mapping`."""
+    for old, new in getattr(model, "checkpoint_renames", {}).items():
+        name = name.replace(old, new)
+    projections = getattr(model, "expert_projections", {})
+    expert = _EXPERT_TENSOR.match(name) if projections else None
+    if expert and expert["projection"] in projections:
+        kind = projections[expert["projection"]]
+        return f"{expert['experts']}.{_STACKED_PARAMETER[kind]}", (int(expert["index"]), kind)
+    for fragment, (packed_fragment, part_id) in getattr(model, "packed_modules_mapping", {}).items():
+        if f".{fragment}." in name:
+            return name.replace(f".{fragment}.", f".{packed_fragment}."), part_id
+    return name, None
+
+
 def load_safetensors_weights(model: nn.Module, directory: Path) -> None:
     """Load every `*.safetensors` shard of an HF checkpoint directory, one tensor at a time.
 
-    Packed parameters (q/k/v -> qkv_proj, gate/up -> gate_up_proj) are filled part by part through their
-    layer's `weight_loader`, which also takes this rank's tensor-parallel slice; a checkpoint that stores a
-    packed tensor whole (Phi-3's qkv_proj, gate_up_proj) is cut into the same parts."""
+    Packed parameters (q/k/v -> qkv_proj, gate/up -> gate_up_proj, MoE experts -> stacked expert tensors) are
+    filled part by part through their layer's `weight_loader`, which also takes this rank's tensor-parallel
+    slice; a checkpoint that stores a packed tensor whole (Phi-3's qkv_proj, gate_up_proj) is cut into the same
+    parts."""
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors files in {directory}")
     params = parameter_loaders(model)
-    packed = getattr(model, "packed_modules_mapping", {})
     tied = getattr(model, "tie_word_embeddings", False)
     loaded: set[str] = set()
+    expert_parts: dict[str, set] = {}
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
                     continue
-                target, part = name, None
-                for fragment, (packed_fragment, part_id) in packed.items():
-                    if f".{fragment}." in name:
-                        target, part = name.replace(f".{fragment}.", f".{packed_fragment}."), part_id
-                        break
+                target, part = checkpoint_target(model, name)
                 if target not in params:
                     raise ValueError(f"checkpoint tensor {name!r} in {file.name} matches no model parameter")
                 param, loader = params[target]
@@ -76,7 +97,12 @@ def load_safetensors_weights(model: nn.Module, directory: Path) -> None:
                 else:
                     loader(param, tensor, part)
                 loaded.add(target)
-    missing = sorted(n for n in params if n not in loaded and not (tied and n == "lm_head.weight"))
+                if hasattr(param, "expert_parts"):
+                    expert_parts.setdefault(target, set()).add(part)
+    incomplete = [f"{name} ({len(parts)} of {params[name][0].expert_parts} expert tensors)"
+                  for name, parts in expert_parts.items() if None not in parts
+                  and len(parts) < params[name][0].expert_parts]
+    missing = sorted(n for n in params if n not in loaded and not (tied and n == "lm_head.weight")) + incomplete
     if missing:
         raise ValueError(f"checkpoint {directory} lacks weights for: {', '.join(missing[:8])}"
                          + (" …" if len(missing) > 8 else ""))

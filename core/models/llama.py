@@ -1,8 +1,10 @@
 """One Llama-family decoder driven by the HF config: Llama (incl. SmolLM2), Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm),
 Mistral (sliding window). Other families with the same skeleton (Gemma 2/3, Phi-3) describe their differences in a
-`DecoderSpec` and reuse these modules."""
+`DecoderSpec` and reuse these modules. The feed-forward block is pluggable (`LlamaForCausalLM.mlp_for_layer`): the
+mixture-of-experts families (models/moe.py) are this decoder with a sparse block in some or all layers."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +19,7 @@ from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 from nanovllm.layers.norm import RMSNorm
 from nanovllm.layers.rotary import RotaryEmbedding, rope_parameters
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "mixtral")
 # HF's hidden_act names -> the [gate | up] activation
 ACTIVATIONS = {"silu": SiluAndMul, "gelu_pytorch_tanh": GeluTanhAndMul}
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -71,11 +73,15 @@ def llama_spec(config) -> DecoderSpec:
         raise ValueError(f"model_type {model_type!r} is not supported by the Llama decoder "
                          f"({', '.join(SUPPORTED_MODEL_TYPES)} are)")
     attention_bias = getattr(config, "attention_bias", False)
-    # Qwen2 always has q/k/v bias and never an o_proj bias; Llama and Qwen3 use `attention_bias` for both.
+    # Qwen2 always has q/k/v bias and never an o_proj bias; Qwen2-MoE says so in `qkv_bias`; Llama and Qwen3 use
+    # `attention_bias` for both.
+    qkv_bias = (model_type == "qwen2" or attention_bias
+                or (model_type == "qwen2_moe" and getattr(config, "qkv_bias", True)))
     return DecoderSpec(
         layer_windows=layer_windows(config), layer_rope=(rope_parameters(config),) * config.num_hidden_layers,
-        qkv_bias=model_type == "qwen2" or attention_bias, o_bias=model_type != "qwen2" and attention_bias,
-        mlp_bias=getattr(config, "mlp_bias", False), qk_norm=model_type == "qwen3", hidden_act=config.hidden_act)
+        qkv_bias=qkv_bias, o_bias=model_type not in ("qwen2", "qwen2_moe") and attention_bias,
+        mlp_bias=getattr(config, "mlp_bias", False), qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        hidden_act=config.hidden_act)
 
 
 class LlamaAttention(nn.Module):
@@ -121,12 +127,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config, spec: DecoderSpec, fused: bool):
+    def __init__(self, config, spec: DecoderSpec, fused: bool, intermediate_size: int | None = None):
+        """`intermediate_size`: default the config's (MoE models' dense layers and shared experts set theirs)."""
         super().__init__()
         bias = spec.mlp_bias
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias,
-                                                       fused=fused)
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias, fused=fused)
+        inter = intermediate_size or config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter] * 2, bias=bias, fused=fused)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias, fused=fused)
         if spec.hidden_act not in ACTIVATIONS:
             raise ValueError(f"hidden_act {spec.hidden_act!r} is not supported ({', '.join(ACTIVATIONS)} are)")
         self.act = SiluAndMul(fused) if spec.hidden_act == "silu" else ACTIVATIONS[spec.hidden_act]()
@@ -136,10 +143,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, spec: DecoderSpec, layer: int, fused: bool):
+    def __init__(self, config, spec: DecoderSpec, layer: int, fused: bool, mlp: nn.Module | None = None):
+        """`mlp`: the feed-forward block (default the dense `LlamaMLP`)."""
         super().__init__()
         self.self_attn = LlamaAttention(config, spec, layer, fused)
-        self.mlp = LlamaMLP(config, spec, fused)
+        self.mlp = mlp if mlp is not None else LlamaMLP(config, spec, fused)
 
         def norm() -> RMSNorm:
             return RMSNorm(config.hidden_size, config.rms_norm_eps, fused, unit_offset=spec.unit_offset_norms)
@@ -167,13 +175,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, spec: DecoderSpec, fused: bool):
+    def __init__(self, config, spec: DecoderSpec, fused: bool, mlp_for_layer: Callable[[int], nn.Module | None]):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         # The scale rounded to the model's dtype (the default dtype while it is built), as HF's Gemma rounds it.
         self.embed_scale = None if spec.embed_scale is None else float(
             torch.tensor(spec.embed_scale, dtype=torch.get_default_dtype()))
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, spec, i, fused) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, spec, i, fused, mlp_for_layer(i))
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused, unit_offset=spec.unit_offset_norms)
 
     def forward(self, input_ids, positions, meta):
@@ -204,14 +213,26 @@ class LlamaForCausalLM(nn.Module):
         """`fused_ops`: RMSNorm, q/k norm + rotary, SiLU-and-mul and decode-sized projections as Triton kernels
         (CUDA only)."""
         super().__init__()
-        spec = self.decoder_spec(config)
+        spec = self.spec = self.decoder_spec(config)
         self.config = config
-        self.model = LlamaModel(config, spec, fused_ops)
+        self.fused_ops = fused_ops
+        self.model = LlamaModel(config, spec, fused_ops, self.mlp_for_layer)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.final_logit_softcap = spec.final_logit_softcap
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def mlp_for_layer(self, index: int) -> nn.Module | None:
+        """The feed-forward block of layer `index`; None: the dense `LlamaMLP`."""
+        return None
+
+    @classmethod
+    def tensor_parallel_dims(cls, config) -> dict[str, int]:
+        """The config sizes that tensor parallelism splits evenly across ranks."""
+        return {"num_attention_heads": config.num_attention_heads,
+                "num_key_value_heads": config.num_key_value_heads,
+                "intermediate_size": config.intermediate_size}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, meta)

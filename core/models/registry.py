@@ -5,6 +5,7 @@ from torch import nn
 
 from nanovllm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from nanovllm.models.llama import LlamaForCausalLM
+from nanovllm.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from nanovllm.models.phi3 import Phi3ForCausalLM
 
 # HF architecture name (config.json's `architectures`) -> our model class
@@ -16,6 +17,9 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
 }
 
 

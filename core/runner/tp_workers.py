@@ -50,6 +50,7 @@ from nanovllm.loaders import ResolvedModel
 from nanovllm.runner.inputs import StepHandle, StepInputs
 from nanovllm.runner.model_runner import ModelRunner
 from nanovllm.runner.tp_step import pack, unpack
+from nanovllm.models.registry import model_class_for
 
 _HOST = "127.0.0.1"
 _STOP, _STEP = 0, 1  # first word of a message from rank 0
@@ -66,9 +67,7 @@ def check_tp_split(hf_config, world: int, device: torch.device) -> None:
     """Refuse, before any process starts, a size that cannot split the model or does not fit the machine.
 
     Attention heads, KV heads and the MLP are split evenly; the vocabulary need not be (its last shard is padded)."""
-    dims = {"num_attention_heads": hf_config.num_attention_heads,
-            "num_key_value_heads": hf_config.num_key_value_heads,
-            "intermediate_size": hf_config.intermediate_size}
+    dims = model_class_for(hf_config).tensor_parallel_dims(hf_config)
     bad = [f"{name}={value}" for name, value in dims.items() if value % world]
     if bad:
         common = math.gcd(*dims.values())
