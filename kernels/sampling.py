@@ -34,7 +34,7 @@ import triton.language as tl
 from nanovllm.layers.noise import GOLDEN, MIX_A, MIX_B, SALT
 
 DEFAULT_CAP = 1024
-DEFAULT_BLOCK = 2048
+DEFAULT_BLOCK = 8192
 PIVOTS = 8
 MAX_PASSES = 12
 
@@ -125,29 +125,41 @@ def _pick(vector, index, lanes):
 
 
 @triton.jit
+def _count_above(x, pivots, row_max, inv_t, counts, masses):
+    above = x[:, None] >= pivots[None, :]
+    counts += tl.sum(above.to(tl.int32), axis=0)
+    masses += tl.sum(tl.where(above, tl.exp((x - row_max) * inv_t)[:, None], 0.0), axis=0)
+    return counts, masses
+
+
+@triton.jit
 def _search(base, vocab, row_max, inv_t, lo, count_lo, mass_lo, target, by_mass,
             BLOCK: tl.constexpr, PIVOTS: tl.constexpr, CAP: tl.constexpr, MAX_PASSES: tl.constexpr):
     """Narrow [lo, hi) around the largest threshold v with W(x >= v) >= target (W: the token count, or the mass
     when `by_mass`), from a lo that reaches the target, until at most CAP tokens lie at or above lo, or within
     [lo, hi). Returns lo, hi and the (count, mass) at or above each; hi = +inf (count 0) when all of x >= lo
-    fits in CAP."""
+    fits in CAP. Stops early when lo reaches the top (more than CAP tokens tied at lo)."""
     hi = tl.full([], float("inf"), tl.float32)
     count_hi = tl.full([], 0, tl.int32)
     mass_hi = tl.full([], 0.0, tl.float32)
     lanes = tl.arange(0, PIVOTS)
     passes = 0
-    while (count_lo > CAP) & (count_lo - count_hi > CAP) & (passes < MAX_PASSES):
-        top = tl.minimum(hi, row_max)
+    top = tl.minimum(hi, row_max)
+    while (count_lo > CAP) & (count_lo - count_hi > CAP) & (lo < top) & (passes < MAX_PASSES):
         pivots = lo + (top - lo) * ((lanes + 1).to(tl.float32) / PIVOTS)
         pivots = tl.where(lanes == PIVOTS - 1, top, pivots)
         counts = tl.zeros([PIVOTS], dtype=tl.int32)
         masses = tl.zeros([PIVOTS], dtype=tl.float32)
+        # four loads in flight before the first is used: one program per row must hide memory latency itself
         for start in range(0, vocab, BLOCK):
-            x, _ = _load(base, start, vocab, BLOCK)
-            weight = tl.exp((x - row_max) * inv_t)
-            above = x[:, None] >= pivots[None, :]
-            counts += tl.sum(above.to(tl.int32), axis=0)
-            masses += tl.sum(tl.where(above, weight[:, None], 0.0), axis=0)
+            x0, _ = _load(base, start, vocab, BLOCK // 4)
+            x1, _ = _load(base, start + BLOCK // 4, vocab, BLOCK // 4)
+            x2, _ = _load(base, start + 2 * (BLOCK // 4), vocab, BLOCK // 4)
+            x3, _ = _load(base, start + 3 * (BLOCK // 4), vocab, BLOCK // 4)
+            counts, masses = _count_above(x0, pivots, row_max, inv_t, counts, masses)
+            counts, masses = _count_above(x1, pivots, row_max, inv_t, counts, masses)
+            counts, masses = _count_above(x2, pivots, row_max, inv_t, counts, masses)
+            counts, masses = _count_above(x3, pivots, row_max, inv_t, counts, masses)
         reached = tl.where(by_mass, masses, counts.to(tl.float32)) >= target
         num_valid = tl.sum(reached.to(tl.int32), axis=0)  # W falls as the pivot rises: a prefix reaches it
         if num_valid > 0:
@@ -158,6 +170,7 @@ def _search(base, vocab, row_max, inv_t, lo, count_lo, mass_lo, target, by_mass,
             hi = _pick(pivots, num_valid, lanes)
             count_hi = _pick(counts, num_valid, lanes)
             mass_hi = _pick(masses, num_valid, lanes)
+        top = tl.minimum(hi, row_max)
         passes += 1
     if count_lo <= CAP:
         hi = tl.full([], float("inf"), tl.float32)
@@ -227,7 +240,7 @@ def _sample_kernel(logits, stride, out, temperatures, top_k, top_p, min_p, seeds
             lo, hi, count_lo, count_hi, mass_lo, mass_hi = _search(
                 base, vocab, row_max, inv_t, row_min, finite, total, tl.where(topk_on, k, p * total), ~topk_on,
                 BLOCK, PIVOTS, CAP, MAX_PASSES)
-            if count_hi == 0:  # every token >= lo is in registers: finish there, no further pass
+            if count_lo <= CAP:  # every token >= lo fits in registers: finish there, no further pass
                 values, ids, filled = _gather_sorted(base, vocab, lo, hi, scratch_row, BLOCK, CAP)
                 weights = tl.where(filled, tl.exp((values - row_max) * inv_t), 0.0)
                 tau_k = tl.full([], float("-inf"), tl.float32)
@@ -296,5 +309,41 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.
     scratch = torch.empty(batch, cap, dtype=torch.int64, device=logits.device)
     _sample_kernel[(batch,)](
         logits, logits.stride(0), out, temperatures, top_k, top_p, min_p, seeds, positions, scratch, vocab,
-        BLOCK=block, PIVOTS=PIVOTS, CAP=cap, MAX_PASSES=MAX_PASSES, num_warps=8)
+        BLOCK=block, PIVOTS=PIVOTS, CAP=cap, MAX_PASSES=MAX_PASSES, num_warps=16)
     return out
+
+
+@triton.jit
+def _logprob_stats_kernel(logits, stride, token_ids, out_logprob, out_rank, vocab, BLOCK: tl.constexpr):
+    """Per row: log_softmax(x)[token] in float32 and the token's rank, the number of tokens whose logit is >= its
+    own (1 = the most likely), in one online pass."""
+    row = tl.program_id(0).to(tl.int64)
+    base = logits + row * stride
+    token = tl.load(token_ids + row)
+    chosen = tl.load(base + token).to(tl.float32)
+    row_max = tl.full([], float("-inf"), tl.float32)
+    mass = tl.full([], 0.0, tl.float32)
+    rank = tl.full([], 0, tl.int32)
+    for start in range(0, vocab, BLOCK):
+        x, _ = _load(base, start, vocab, BLOCK)
+        new_max = tl.maximum(row_max, tl.max(x, axis=0))
+        shift = tl.where(new_max > float("-inf"), new_max, 0.0)
+        mass = mass * tl.exp(row_max - shift) + tl.sum(tl.exp(x - shift), axis=0)
+        row_max = new_max
+        rank += tl.sum((x >= chosen).to(tl.int32), axis=0)
+    tl.store(out_logprob + row, chosen - row_max - tl.log(mass))
+    tl.store(out_rank + row, rank.to(tl.int64))
+
+
+def logprob_stats(logits: torch.Tensor, token_ids: torch.Tensor,
+                  block: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [rows, vocab] (unit stride along vocab), token_ids int64 [rows] -> (float32 logprob of each token
+    under log_softmax of the logits, int64 rank), without materialising a float32 copy of the logits."""
+    rows, vocab = logits.shape
+    assert logits.stride(1) == 1, "logits must be contiguous along the vocabulary"
+    logprob = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    rank = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if rows:
+        _logprob_stats_kernel[(rows,)](logits, logits.stride(0), token_ids, logprob, rank, vocab, BLOCK=block,
+                                       num_warps=8)
+    return logprob, rank
