@@ -234,19 +234,19 @@ def _sample_kernel(logits, stride, out, temperatures, top_k, top_p, min_p, seeds
             row_max, row_min, finite, total = _stats_pass(base, vocab, inv_t, BLOCK)
             if minimum_p > 0.0:
                 tau = row_max + temperature * tl.log(minimum_p)
-            k = tl.minimum(k, finite).to(tl.float32)  # a k past the unbanned tokens keeps them all
+            k_target = tl.minimum(k, finite).to(tl.float32)  # a k past the unbanned tokens keeps them all
             lanes = tl.arange(0, CAP)
             scratch_row = scratch + row * CAP
+            target = tl.where(topk_on, k_target, p * total)
             lo, hi, count_lo, count_hi, mass_lo, mass_hi = _search(
-                base, vocab, row_max, inv_t, row_min, finite, total, tl.where(topk_on, k, p * total), ~topk_on,
-                BLOCK, PIVOTS, CAP, MAX_PASSES)
+                base, vocab, row_max, inv_t, row_min, finite, total, target, k >= vocab, BLOCK, PIVOTS, CAP, MAX_PASSES)
             if count_lo <= CAP:  # every token >= lo fits in registers: finish there, no further pass
                 values, ids, filled = _gather_sorted(base, vocab, lo, hi, scratch_row, BLOCK, CAP)
                 weights = tl.where(filled, tl.exp((values - row_max) * inv_t), 0.0)
                 tau_k = tl.full([], float("-inf"), tl.float32)
                 survivors = total
                 if topk_on:
-                    tau_k = _first_reaching(values, (lanes + 1).to(tl.float32), k, filled, lanes, CAP)
+                    tau_k = _first_reaching(values, (lanes + 1).to(tl.float32), k_target, filled, lanes, CAP)
                     survivors = tl.sum(tl.where(values >= tau_k, weights, 0.0), axis=0)
                 if topp_on:
                     tau = tl.maximum(tau, _first_reaching(values, tl.cumsum(weights, axis=0), p * survivors,
@@ -263,8 +263,8 @@ def _sample_kernel(logits, stride, out, temperatures, top_k, top_p, min_p, seeds
                     values, ids, filled = _gather_sorted(base, vocab, lo, hi, scratch_row, BLOCK, CAP)
                     weights = tl.where(filled, tl.exp((values - row_max) * inv_t), 0.0)
                     if topk_on:
-                        threshold = _first_reaching(values, (count_hi + lanes + 1).to(tl.float32), k, filled,
-                                                    lanes, CAP)
+                        reached = (count_hi + lanes + 1).to(tl.float32)
+                        threshold = _first_reaching(values, reached, k_target, filled, lanes, CAP)
                     else:
                         threshold = _first_reaching(values, mass_hi + tl.cumsum(weights, axis=0), p * total,
                                                     filled, lanes, CAP)
@@ -273,7 +273,7 @@ def _sample_kernel(logits, stride, out, temperatures, top_k, top_p, min_p, seeds
                     survivors = mass_hi + tl.sum(tl.where(kept, weights, 0.0), axis=0)
                 if topk_on & topp_on:  # top-p inside the top-k survivors: a second search, up from tau_k
                     lo, hi, count_lo, count_hi, mass_lo, mass_hi = _search(
-                        base, vocab, row_max, inv_t, threshold, count_kept, survivors, p * survivors, True,
+                        base, vocab, row_max, inv_t, threshold, count_kept, survivors, p * survivors, topp_on,
                         BLOCK, PIVOTS, CAP, MAX_PASSES)
                     tau_k = threshold
                     threshold = lo

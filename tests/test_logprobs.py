@@ -66,3 +66,15 @@ def test_logprob_stats_kernel_equals_torch():
     chosen, ranks, _ = expected(logits.float(), token_ids, 1)
     torch.testing.assert_close(logprob.cpu().double(), chosen, atol=1e-5, rtol=0)
     assert torch.equal(rank.cpu(), ranks)
+
+
+@pytest.mark.gpu
+def test_gpu_logprobs_at_real_shape():
+    logits = (torch.randn(64, 151936, device="cuda", generator=torch.Generator("cuda").manual_seed(0)) * 4)
+    logits = logits.to(torch.bfloat16)
+    token_ids = torch.randint(0, 151936, (64,), device="cuda")
+    result = compute_logprobs(logits, token_ids, num_top=5)
+    chosen, ranks, top = expected(logits.float(), token_ids, 5)
+    torch.testing.assert_close(result.logprobs.double(), chosen, atol=1e-4, rtol=0)
+    assert torch.equal(result.ranks, ranks)
+    torch.testing.assert_close(result.top_logprobs.double(), top.values, atol=1e-4, rtol=0)
