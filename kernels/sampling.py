@@ -31,10 +31,19 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.layers.noise import GOLDEN, MIX_A, MIX_B, SALT
+from nanovllm.layers import noise
+
+# jit functions read module globals only as constexpr
+MIX_A = tl.constexpr(noise.MIX_A)
+MIX_B = tl.constexpr(noise.MIX_B)
+GOLDEN = tl.constexpr(noise.GOLDEN)
+SALT = tl.constexpr(noise.SALT)
 
 DEFAULT_CAP = 1024
+# One program per row must keep its own loads in flight: 16 warps over 8192-logit blocks (16 KB of bf16 per
+# iteration) use 128 registers a thread on sm_90, one program per SM. scripts/bench_sampler.py --sweep times others.
 DEFAULT_BLOCK = 8192
+DEFAULT_WARPS = 16
 PIVOTS = 8
 MAX_PASSES = 12
 
@@ -297,7 +306,7 @@ def _sample_kernel(logits, stride, out, temperatures, top_k, top_p, min_p, seeds
 
 def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                  min_p: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, *, cap: int = DEFAULT_CAP,
-                 block: int = DEFAULT_BLOCK) -> torch.Tensor:
+                 block: int = DEFAULT_BLOCK, num_warps: int = DEFAULT_WARPS) -> torch.Tensor:
     """logits [batch, vocab] fp32/bf16/fp16 (unit stride along vocab) -> token ids int64 [batch]. Per-row
     settings: temperatures f32 (0 = greedy), top_k int (>= vocab = off), top_p f32 (1 = off), min_p f32
     (0 = off), seeds and positions int64. No host synchronisation; `cap` and `block` are powers of two."""
@@ -309,7 +318,7 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.
     scratch = torch.empty(batch, cap, dtype=torch.int64, device=logits.device)
     _sample_kernel[(batch,)](
         logits, logits.stride(0), out, temperatures, top_k, top_p, min_p, seeds, positions, scratch, vocab,
-        BLOCK=block, PIVOTS=PIVOTS, CAP=cap, MAX_PASSES=MAX_PASSES, num_warps=16)
+        BLOCK=block, PIVOTS=PIVOTS, CAP=cap, MAX_PASSES=MAX_PASSES, num_warps=num_warps)
     return out
 
 

@@ -1,7 +1,7 @@
 """Sampler alone on the GPU: the torch path (full-vocabulary sort + per-entry hash, what sampling cost before the
 fused kernel) against the fused Triton kernel, and compute_logprobs(k=5); JSON lines.
 
-    python scripts/bench_sampler.py OUT.jsonl [--batches 1 16 64 256] [--vocab 151936] [--reps 50]
+    python scripts/bench_sampler.py OUT.jsonl [--batches 1 16 64 256] [--vocab 151936] [--reps 50] [--sweep]
 
 Runs from a checkout with only torch and triton installed (no engine imports). Each line: mode, batch, vocab,
 path ("torch_full_sort" | "fused_kernel" | "logprobs_k5"), median ms over `reps` CUDA-event timings, and for the
@@ -45,6 +45,8 @@ MODES = {
     "top_p": (0.8, None, 0.95, 0.0),
 }
 
+SWEEP = [(4096, 8, 1024), (4096, 16, 1024), (8192, 16, 512), (16384, 16, 1024), (2048, 4, 1024), (8192, 32, 1024)]
+
 
 def median_ms(fn, reps: int) -> float:
     for _ in range(3):
@@ -68,6 +70,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--logit-scale", type=float, default=3.0, help="std of the random bf16 logits")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time the kernel at other (block, num_warps, cap) configurations")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_sampler needs a CUDA device")
@@ -103,6 +107,10 @@ def main() -> None:
                 emit({**base, "path": "torch_full_sort", "ms": median_ms(torch_path, args.reps)})
                 agree = (fused() == torch_path()).float().mean().item()
                 emit({**base, "path": "fused_kernel", "ms": median_ms(fused, args.reps), "agree": agree})
+                for block, num_warps, cap in SWEEP if args.sweep and mode != "greedy" else ():
+                    config = {"block": block, "num_warps": num_warps, "cap": cap}
+                    emit({**base, **config, "path": "fused_kernel_sweep",
+                          "ms": median_ms(functools.partial(fused, **config), args.reps)})
                 if mode == "greedy":  # what sample() runs for an all-greedy batch: a torch argmax
                     emit({**base, "path": "sample_dispatch",
                           "ms": median_ms(functools.partial(sampler.sample, logits, t), args.reps)})
