@@ -25,7 +25,7 @@ def test_qwen3_30b_a3b_shape_runs_through_cuda_graphs():
     """61 GB of dummy bf16 weights; decode steps replay graphs with the fused MoE inside (no host sync)."""
     llm = LLM("qwen3-30b-a3b", load_format="dummy", max_model_len=2048, max_num_seqs=64)
     try:
-        assert llm.runner.graphs is not None
+        assert llm._runner.graphs is not None
         prompts = [[(7 * i + j) % 1000 for j in range(20 + 13 * i)] for i in range(40)]
         outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
         assert all(len(o.token_ids) == 24 for o in outputs)

@@ -7,9 +7,9 @@ import torch
 from conftest import PRESETS
 from transformers import AutoConfig
 
-from nanovllm.loaders import load_dummy_weights
 from nanovllm import CostModel
 from nanovllm.engine.info import model_costs
+from nanovllm.loaders import load_dummy_weights
 from nanovllm.models.costs import ExpertLayer, WeightCosts, expected_distinct_experts, weight_costs
 from nanovllm.models.registry import model_class_for
 from nanovllm_cli.roofline import DeviceCeilings, decode_batch_sizes, roofline_seconds

@@ -121,7 +121,7 @@ def test_tensor_parallel_experts_match_hf(moe_dirs, moe_references):
 
 def test_dummy_weights_fill_every_expert():
     llm = LLM("tiny-mixtral", load_format="dummy", max_model_len=128, num_kv_blocks=16)
-    blocks = [m for m in llm.runner.model.modules() if isinstance(m, SparseMoeBlock)]
+    blocks = [m for m in llm._runner.model.modules() if isinstance(m, SparseMoeBlock)]
     assert len(blocks) == 2
     for block in blocks:
         for param in (block.experts.gate_up_proj, block.experts.down_proj):

@@ -65,10 +65,10 @@ def test_the_checks_catch_internals():
     """The walkers see imports inside functions and attribute reads through `self.llm`."""
     tree = ast.parse("import nanovllm.engine\nfrom nanovllm import LLM, Sequence\n"
                      "def f(self):\n    from nanovllm.engine.block_manager import BlockManager\n"
-                     "    return self.llm.runner, llm.block_manager\n")
+                     "    return self.llm._runner, llm._block_manager\n")
     assert private_imports(tree) == ["line 1: nanovllm.engine (a submodule)", "line 2: nanovllm.Sequence",
                                      "line 4: nanovllm.engine.block_manager (a submodule)"]
-    assert sorted(attr for _, attr in llm_attributes(tree)) == ["block_manager", "runner"]
+    assert sorted(attr for _, attr in llm_attributes(tree)) == ["_block_manager", "_runner"]
 
 
 def test_public_names_exist_and_engine_info_is_complete():

@@ -1,10 +1,13 @@
+"""The sampling rule (torch path, the CPU's sampler and the kernel's oracle): its distribution against the exact
+filtered one, its noise, greedy rows, and the engine's guarantee that seeded rows ignore the rest of the batch."""
 import math
 
 import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.layers.sampler import SamplingTensors, exponential_noise, sample
+from nanovllm.layers.noise import gumbel_noise
+from nanovllm.layers.sampler import SamplingTensors, reference_sample, sample
 
 LOGITS = [2.0, 1.5, 1.2, 0.3, 0.0, -0.5, -1.0, -3.0]
 
@@ -32,13 +35,18 @@ def exact_distribution(logits, temperature, top_k, top_p, min_p):
     return [probs[i] / mass if i in final else 0.0 for i in range(len(probs))]
 
 
-def draw(logits, n, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0):
-    vocab = len(logits)
-    t = SamplingTensors(
+def settings_tensors(n, vocab, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0, seed_offset=3):
+    return SamplingTensors(
         temperatures=torch.full((n,), temperature), top_k=torch.full((n,), top_k if top_k > 0 else vocab),
-        top_p=torch.full((n,), top_p), min_p=torch.full((n,), min_p), seeds=torch.arange(n) * 7919 + 3,
-        sample_positions=torch.arange(n) % 13, all_greedy=False, any_filter=top_k > 0 or top_p < 1 or min_p > 0)
-    return sample(torch.tensor([logits] * n), t)
+        top_p=torch.full((n,), top_p), min_p=torch.full((n,), min_p),
+        seeds=torch.arange(n, dtype=torch.int64) * 7919 + seed_offset,
+        sample_positions=torch.arange(n, dtype=torch.int64) % 13, all_greedy=False,
+        any_filter=top_k > 0 or top_p < 1 or min_p > 0)
+
+
+def chi_square_critical(dof: int, z: float = 3.719) -> float:
+    """Wilson-Hilferty approximation of the chi-square quantile at the normal quantile z (3.719: p = 1e-4)."""
+    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
 
 
 @pytest.mark.parametrize("settings", [
@@ -49,27 +57,54 @@ def draw(logits, n, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0):
     dict(temperature=1.3, top_k=5, top_p=0.9),
     dict(temperature=1.0, min_p=0.2),
     dict(temperature=0.9, top_k=6, top_p=0.95, min_p=0.05),
+    dict(temperature=0.5, top_p=0.6, min_p=0.3),
 ])
-def test_empirical_distribution_matches_exact(settings):
+def test_chi_square_against_the_exact_filtered_distribution(settings):
     n = 40000
-    tokens = draw(LOGITS, n, **settings)
-    empirical = torch.bincount(tokens, minlength=len(LOGITS)).double() / n
+    tokens = sample(torch.tensor([LOGITS] * n), settings_tensors(n, len(LOGITS), **settings))
+    observed = torch.bincount(tokens, minlength=len(LOGITS)).double()
     exact = torch.tensor(exact_distribution(LOGITS, settings.get("temperature", 1.0), settings.get("top_k", -1),
-                                            settings.get("top_p", 1.0), settings.get("min_p", 0.0)), dtype=torch.double)
-    assert torch.all(empirical[exact == 0] == 0), "a filtered-out token was drawn"
-    # 40k draws: each frequency's standard error is <= 0.0025; allow 4 sigma.
-    assert torch.max(torch.abs(empirical - exact)).item() < 0.01, (empirical, exact)
+                                            settings.get("top_p", 1.0), settings.get("min_p", 0.0)),
+                         dtype=torch.double)
+    assert torch.all(observed[exact == 0] == 0), "a filtered-out token was drawn"
+    support = exact > 0
+    expected = exact[support] * n
+    statistic = (((observed[support] - expected) ** 2) / expected).sum().item()
+    dof = int(support.sum()) - 1
+    if dof == 0:
+        return  # a single kept token: the check above is the whole test
+    assert statistic < chi_square_critical(dof), (statistic, observed, expected)
 
 
-def test_exponential_noise_is_unit_exponential_and_deterministic():
-    seeds = torch.arange(64)
-    noise = exponential_noise(seeds, torch.zeros(64, dtype=torch.int64), 4096)
-    assert noise.min() > 0
-    assert abs(noise.mean().item() - 1.0) < 0.01
-    assert abs(noise.var().item() - 1.0) < 0.03
-    assert torch.equal(noise, exponential_noise(seeds, torch.zeros(64, dtype=torch.int64), 4096))
-    other_position = exponential_noise(seeds, torch.ones(64, dtype=torch.int64), 4096)
-    assert not torch.equal(noise, other_position)
+def test_mixed_rows_in_one_batch_follow_their_own_settings():
+    """Rows of different settings share a batch: each row's frequencies follow its own exact distribution."""
+    mixes = [dict(temperature=1.0, top_k=2), dict(temperature=0.8, top_p=0.7), dict(temperature=1.0, min_p=0.4)]
+    n = 12000
+    parts = [settings_tensors(n, len(LOGITS), seed_offset=1000 * i, **mix) for i, mix in enumerate(mixes)]
+    batch = SamplingTensors(*(torch.cat([getattr(p, f) for p in parts]) for f in
+                              ("temperatures", "top_k", "top_p", "min_p", "seeds", "positions")),
+                            all_greedy=False, any_filter=True)
+    tokens = sample(torch.tensor([LOGITS] * (n * len(mixes))), batch).view(len(mixes), n)
+    for mix, row_tokens in zip(mixes, tokens):
+        exact = torch.tensor(exact_distribution(LOGITS, mix["temperature"], mix.get("top_k", -1),
+                                                mix.get("top_p", 1.0), mix.get("min_p", 0.0)), dtype=torch.double)
+        observed = torch.bincount(row_tokens, minlength=len(LOGITS)).double()
+        assert torch.all(observed[exact == 0] == 0)
+        support = exact > 0
+        statistic = (((observed[support] - exact[support] * n) ** 2) / (exact[support] * n)).sum().item()
+        assert statistic < chi_square_critical(int(support.sum()) - 1), (mix, observed)
+
+
+def test_gumbel_noise_is_standard_gumbel_and_a_function_of_seed_and_position():
+    seeds = torch.arange(64, dtype=torch.int64) - 20  # negative seeds hash too
+    positions = torch.zeros(64, dtype=torch.int64)
+    noise = gumbel_noise(seeds, positions, 4096)
+    assert abs(noise.mean().item() - 0.5772157) < 0.01
+    assert abs(noise.var().item() - math.pi ** 2 / 6) < 0.03
+    assert torch.equal(noise, gumbel_noise(seeds, positions, 4096))
+    assert torch.equal(noise[5:9], gumbel_noise(seeds[5:9], positions[5:9], 4096))
+    assert not torch.equal(noise, gumbel_noise(seeds, positions + 1, 4096))
+    assert not torch.equal(noise[:1], gumbel_noise(seeds[:1] + (1 << 32), positions[:1], 4096))
 
 
 def test_greedy_rows_take_argmax_in_a_mixed_batch():
@@ -80,6 +115,12 @@ def test_greedy_rows_take_argmax_in_a_mixed_batch():
                         all_greedy=False, any_filter=False)
     tokens = sample(logits, t)
     assert torch.equal(tokens[::2], logits[::2].argmax(dim=-1))
+
+
+def test_top_k_keeps_ties_at_the_kth_logit():
+    logits = torch.tensor([[3.0, 1.0, 1.0, 1.0, 0.0, -1.0]] * 3000)
+    tokens = sample(logits, settings_tensors(3000, 6, temperature=1.0, top_k=2))
+    assert set(tokens.tolist()) == {0, 1, 2, 3}
 
 
 @pytest.fixture(scope="module")
@@ -122,3 +163,4 @@ def test_bf16_logits_sample_as_their_float32_widening(all_greedy):
                         all_greedy=all_greedy, any_filter=not all_greedy)
     assert torch.equal(sample(logits, t), sample(logits.float(), t))
     assert torch.equal(sample(logits, t)[0], logits[0].float().argmax())
+    assert torch.equal(sample(logits, t), reference_sample(logits, t))

@@ -1,50 +1,19 @@
-"""Token sampling: greedy, or temperature + top-k + top-p + min-p followed by an exponential race.
+"""Token sampling: greedy, or temperature + top-k + top-p + min-p followed by a Gumbel-max draw.
 
-The race picks argmax(p_i / E_i) with E_i ~ Exp(1), which draws i with probability p_i. The E_i come from a
-counter-based hash of (request seed, output index, vocabulary index), so a request's tokens depend only on its
-own seed and position — never on what else is in the batch, the batch order, or the step loop."""
+The rule is stated in `nanovllm.kernels.sampling` (the fused Triton kernel that runs on CUDA). `reference_sample`
+below is the same rule in torch, with a full sort: it runs on the CPU and is the kernel's test oracle, drawing the
+same tokens for the same seeds. The noise of token i is a counter-based hash of (request seed, output index, i), so
+a request's tokens depend only on its own logits, seed and position — never on what else is in the batch, the batch
+order, or the step loop."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
+from nanovllm.layers.noise import gumbel_noise
 from nanovllm.runner.step_buffers import SEQS, buffer
-
-_MASK64 = (1 << 64) - 1
-
-
-def _signed(value: int) -> int:
-    value &= _MASK64
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
-_GOLDEN = _signed(0x9E3779B97F4A7C15)
-_MIX1 = _signed(0xBF58476D1CE4E5B9)
-_MIX2 = _signed(0x94D049BB133111EB)
-
-
-def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """Logical right shift of int64 values (torch's >> is arithmetic)."""
-    return (x >> bits) & ((1 << (64 - bits)) - 1)
-
-
-def _mix(x: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finaliser: a bijection of 64-bit words with good avalanche (int64 arithmetic wraps)."""
-    x = x ^ _shift_right(x, 30)
-    x = x * _MIX1
-    x = x ^ _shift_right(x, 27)
-    x = x * _MIX2
-    return x ^ _shift_right(x, 31)
-
-
-def exponential_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Exp(1) samples of shape [batch, vocab], a pure function of (seed, position, vocabulary index)."""
-    row_keys = _mix(seeds * _GOLDEN + positions)
-    vocab = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
-    bits = _mix(row_keys.unsqueeze(1) + vocab * _GOLDEN)
-    uniform = (_shift_right(bits, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1)
-    return -torch.log(uniform)
 
 
 @dataclass
@@ -52,37 +21,67 @@ class SamplingTensors:
     """Per-row sampling settings of one step, already on the device."""
 
     temperatures: torch.Tensor = buffer(torch.float32, SEQS)  # [batch]; 0 = greedy
-    top_k: torch.Tensor = buffer(torch.int64, SEQS)  # [batch]; vocab size = off
+    top_k: torch.Tensor = buffer(torch.int64, SEQS)  # [batch]; >= vocab size = off
     top_p: torch.Tensor = buffer(torch.float32, SEQS)  # [batch]; 1 = off
     min_p: torch.Tensor = buffer(torch.float32, SEQS)  # [batch]; 0 = off
     seeds: torch.Tensor = buffer(torch.int64, SEQS)  # [batch]
     sample_positions: torch.Tensor = buffer(torch.int64, SEQS)  # [batch]: index of the output token being drawn
     all_greedy: bool
-    any_filter: bool
+    any_filter: bool  # some row has top-k, top-p or min-p on (the torch path skips its sort without)
 
 
-def filtered_probs(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-    """Softmax at each row's temperature, then top-k, top-p (on the top-k renormalised mass) and min-p masks."""
-    probs = torch.softmax(logits / t.temperatures.clamp_min(1e-5).unsqueeze(1), dim=-1)
-    if not t.any_filter:
-        return probs
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    rank = torch.arange(probs.shape[1], device=probs.device)
-    drop = rank.unsqueeze(0) >= t.top_k.unsqueeze(1)
-    kept = sorted_probs.masked_fill(drop, 0.0)
-    mass_before = (kept.cumsum(dim=-1) - kept) / kept.sum(dim=-1, keepdim=True)
-    drop |= mass_before >= t.top_p.unsqueeze(1)  # the most likely token always survives (its mass_before is 0)
-    drop |= sorted_probs < t.min_p.unsqueeze(1) * sorted_probs[:, :1]
-    return torch.zeros_like(probs).scatter_(1, order, sorted_probs.masked_fill(drop, 0.0))
+def kept_thresholds(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """float32 [batch]: each row keeps the tokens with logit >= this (the kernel's rule, by a full sort)."""
+    batch, vocab = logits.shape
+    inv_t = 1.0 / t.temperatures.float()
+    row_max = logits.max(dim=-1).values
+    threshold = torch.where(t.min_p > 0, row_max + t.temperatures * torch.log(t.min_p), float("-inf"))
+    topk_on = t.top_k < vocab
+    topp_on = t.top_p < 1
+    if not (topk_on.any() or topp_on.any()):
+        return threshold
+    values = logits.sort(dim=-1, descending=True).values
+    weights = torch.exp((values - row_max.unsqueeze(1)) * inv_t.unsqueeze(1))
+    finite = torch.isfinite(values).sum(dim=-1)
+    k = torch.minimum(t.top_k, finite).clamp_min(1)
+    tau_k = torch.where(topk_on, values.gather(1, (k - 1).unsqueeze(1)).squeeze(1), float("-inf"))
+    in_top_k = values >= tau_k.unsqueeze(1)
+    survivors = torch.where(topk_on, (weights * in_top_k).sum(dim=-1),
+                            torch.exp((logits - row_max.unsqueeze(1)) * inv_t.unsqueeze(1)).sum(dim=-1))
+    cumulative = torch.cumsum(weights, dim=-1)
+    lanes = torch.arange(vocab, device=logits.device)
+    reaching = (cumulative >= (t.top_p * survivors).unsqueeze(1)) & in_top_k
+    first = torch.where(reaching, lanes, vocab).min(dim=-1).values
+    last = torch.where(in_top_k & torch.isfinite(values), lanes, 0).max(dim=-1).values
+    tau_p = torch.where(topp_on, values.gather(1, torch.minimum(first, last).unsqueeze(1)).squeeze(1),
+                        float("-inf"))
+    return torch.maximum(threshold, torch.maximum(tau_k, tau_p))
 
 
-def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-    """logits: [batch, vocab], any float dtype -> token ids int64 [batch]. Greedy rows take the argmax of the
-    logits as they are (widening is exact, so it picks the same token); the rest is computed in float32."""
+def reference_sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """The sampling rule in torch: logits [batch, vocab], any float dtype -> token ids int64 [batch]."""
     greedy = logits.argmax(dim=-1)
     if t.all_greedy:
         return greedy
     logits = logits.float()
-    probs = filtered_probs(logits, t)
-    raced = (probs / exponential_noise(t.seeds, t.sample_positions, logits.shape[1])).argmax(dim=-1)
-    return torch.where(t.temperatures == 0, greedy, raced)
+    inv_t = 1.0 / t.temperatures.float()
+    scores = logits * inv_t.unsqueeze(1) + gumbel_noise(t.seeds, t.sample_positions, logits.shape[1])
+    if t.any_filter:
+        scores = scores.masked_fill(logits < kept_thresholds(logits, t).unsqueeze(1), float("-inf"))
+    return torch.where(t.temperatures == 0, greedy, scores.argmax(dim=-1))
+
+
+def _use_kernel(logits: torch.Tensor) -> bool:
+    return logits.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+
+
+def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """logits: [batch, vocab], any float dtype -> token ids int64 [batch]: the fused kernel on CUDA, the torch
+    path elsewhere. Greedy rows take the argmax of the logits as they are (widening is exact, so it picks the same
+    token as the float32 copy)."""
+    if t.all_greedy:
+        return logits.argmax(dim=-1)
+    if _use_kernel(logits):
+        from nanovllm.kernels.sampling import fused_sample
+        return fused_sample(logits, t.temperatures, t.top_k, t.top_p, t.min_p, t.seeds, t.sample_positions)
+    return reference_sample(logits, t)

@@ -47,10 +47,10 @@ from nanovllm.distributed import (
     tp_size,
 )
 from nanovllm.loaders import ResolvedModel
+from nanovllm.models.registry import model_class_for
 from nanovllm.runner.inputs import StepHandle, StepInputs
 from nanovllm.runner.model_runner import ModelRunner
 from nanovllm.runner.tp_step import pack, unpack
-from nanovllm.models.registry import model_class_for
 
 _HOST = "127.0.0.1"
 _STOP, _STEP = 0, 1  # first word of a message from rank 0

@@ -1,0 +1,153 @@
+"""Penalties and logit controls as batched device ops, with vLLM's semantics, applied before sampling.
+
+Order (vLLM's): allowed_token_ids, bad_words, min_tokens, logit_bias, then the penalties (repetition, then
+frequency and presence); temperature and the filters come after, in the sampler. Every op takes float32 logits
+[batch, vocab] and edits them in place; a caller skips an op when no row of the batch uses it, so rows without
+controls pay nothing.
+
+Per-row state lives on the device and is addressed by *entries* rather than per-row Python:
+
+- Token history (`TokenHistory`): dense per-slot tables for the rows that need their tokens (repetition /
+  presence / frequency penalties, bad words), in a pool of slots sized by the engine (not by the batch):
+  output token counts int32 [slots, vocab], prompt-token mask bool [slots, vocab], the last `window` output tokens
+  and the output length. At vocab 151,936 a slot costs 0.76 MB, so a pool of 64 slots is 49 MB, where a table for
+  all 512 rows would be 389 MB; rows without such controls hold no slot. A sparse (row, token, count) table would
+  save memory but cost a sort or hash per step to update; dense slots update with one scatter-add per step
+  (`record`) and apply with one gather.
+- Sparse controls (logit_bias, allowed_token_ids, min_tokens' stop ids, bad words) are flat entry lists
+  (batch row, token[, value]) that the engine keeps as device tensors keyed by its persistent row ids and maps to
+  this step's batch rows on the device (`batch_index_of`), rebuilding them only when requests join or leave.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def _check_float32(logits: torch.Tensor) -> None:
+    if logits.dtype != torch.float32:
+        raise TypeError(f"logits must be float32 for logit controls, got {logits.dtype}")
+
+
+def batch_index_of(batch_rows: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Inverse of a step's row list: for each persistent row id its batch index this step, or -1 (device op)."""
+    inverse = torch.full((num_rows,), -1, dtype=torch.int64, device=batch_rows.device)
+    inverse[batch_rows] = torch.arange(len(batch_rows), device=batch_rows.device)
+    return inverse
+
+
+@dataclass
+class TokenHistory:
+    """Device token history of the rows holding a slot (see the module docstring for the memory choice)."""
+
+    output_counts: torch.Tensor  # int32 [slots, vocab]
+    prompt_mask: torch.Tensor  # bool [slots, vocab]
+    recent: torch.Tensor  # int64 [slots, window]: the last output tokens, oldest first, -1 before the first
+    output_lens: torch.Tensor  # int64 [slots]
+
+    @classmethod
+    def allocate(cls, num_slots: int, vocab_size: int, window: int, device: torch.device) -> TokenHistory:
+        return cls(output_counts=torch.zeros(num_slots, vocab_size, dtype=torch.int32, device=device),
+                   prompt_mask=torch.zeros(num_slots, vocab_size, dtype=torch.bool, device=device),
+                   recent=torch.full((num_slots, window), -1, dtype=torch.int64, device=device),
+                   output_lens=torch.zeros(num_slots, dtype=torch.int64, device=device))
+
+    @property
+    def window(self) -> int:
+        return self.recent.shape[1]
+
+    def reset(self, slot: int, prompt_ids: torch.Tensor, output_ids: torch.Tensor | None = None) -> None:
+        """Give a slot to a request (once, when it joins): its prompt, and any output it already has."""
+        self.output_counts[slot].zero_()
+        self.prompt_mask[slot].zero_()
+        self.prompt_mask[slot, prompt_ids] = True
+        self.recent[slot].fill_(-1)
+        self.output_lens[slot] = 0
+        if output_ids is not None and len(output_ids):  # a request that resumes with output
+            vocab = self.output_counts.shape[1]
+            self.output_counts[slot] = torch.bincount(output_ids, minlength=vocab).to(torch.int32)
+            tail = output_ids[-self.window:]
+            self.recent[slot, self.window - len(tail):] = tail
+            self.output_lens[slot] = len(output_ids)
+
+    def record(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """Append one sampled token per slot (distinct slots): one scatter-add, no host sync."""
+        self.output_counts.index_put_((slots, token_ids), torch.ones_like(token_ids, dtype=torch.int32),
+                                      accumulate=True)
+        self.recent[slots] = torch.cat([self.recent[slots, 1:], token_ids.unsqueeze(1)], dim=1)
+        self.output_lens[slots] += 1
+
+
+def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, history: TokenHistory,
+                    repetition: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor) -> None:
+    """rows [n]: batch rows with penalties, slots [n]: their history slots, penalties float32 [n].
+
+    Repetition (HF / CTRL): a token seen in the prompt or the output has a positive logit divided by the penalty,
+    a negative one multiplied. Then OpenAI's formula over output tokens: logit -= frequency * count +
+    presence * (count > 0)."""
+    _check_float32(logits)
+    counts = history.output_counts[slots]
+    in_output = counts > 0
+    seen = in_output | history.prompt_mask[slots]
+    values = logits[rows]
+    penalty = repetition.unsqueeze(1)
+    values = torch.where(seen, torch.where(values > 0, values / penalty, values * penalty), values)
+    values -= frequency.unsqueeze(1) * counts + presence.unsqueeze(1) * in_output
+    logits[rows] = values
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor,
+                     biases: torch.Tensor) -> None:
+    """Entries (row, token, bias): bias added to the logit (one index_put)."""
+    _check_float32(logits)
+    logits.index_put_((rows, token_ids), biases.to(torch.float32), accumulate=True)
+
+
+def apply_allowed_tokens(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
+    """Entries (row, allowed token): in every row that has entries, all other tokens get -inf."""
+    _check_float32(logits)
+    kept = logits[rows, token_ids]
+    logits.index_fill_(0, rows, float("-inf"))  # a row listed many times is filled many times: same result
+    logits[rows, token_ids] = kept
+
+
+def _ban_where(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor, ban: torch.Tensor) -> None:
+    """-inf where `ban`, by accumulation: entries repeating a (row, token) with different verdicts still ban."""
+    logits.index_put_((rows, token_ids), torch.where(ban, float("-inf"), 0.0), accumulate=True)
+
+
+def apply_min_tokens(logits: torch.Tensor, rows: torch.Tensor, stop_ids: torch.Tensor, min_tokens: torch.Tensor,
+                     output_lens: torch.Tensor) -> None:
+    """Entries (row, stop token id — EOS and the request's stop_token_ids —, the row's min_tokens): the token is
+    banned while the row's output length (output_lens [batch], e.g. SamplingTensors.sample_positions) is below
+    min_tokens."""
+    _check_float32(logits)
+    _ban_where(logits, rows, stop_ids, output_lens[rows] < min_tokens)
+
+
+def pack_bad_words(bad_words: list[list[int]], window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A request's bad words (token sequences) -> (prefixes int64 [m, window] right-aligned, -1 padded; banned
+    last tokens int64 [m]). A word longer than window + 1 tokens is an error naming the field."""
+    prefixes = torch.full((len(bad_words), window), -1, dtype=torch.int64)
+    last = torch.empty(len(bad_words), dtype=torch.int64)
+    for index, word in enumerate(bad_words):
+        if not word or len(word) - 1 > window:
+            raise ValueError(f"bad_words: each word must have 1 to {window + 1} tokens, got {len(word)}")
+        if len(word) > 1:
+            prefixes[index, window - len(word) + 1:] = torch.tensor(word[:-1])
+        last[index] = word[-1]
+    return prefixes, last
+
+
+def apply_bad_words(logits: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, prefixes: torch.Tensor,
+                    banned: torch.Tensor, history: TokenHistory) -> None:
+    """Entries (row, slot, prefix, banned token) from `pack_bad_words`: the banned token gets -inf when the row's
+    output ends with the prefix (always for a one-token word). As vLLM, the prompt is not part of the match."""
+    _check_float32(logits)
+    if prefixes.shape[1] != history.window:
+        raise ValueError(f"bad_words prefixes have width {prefixes.shape[1]}, the history window is "
+                         f"{history.window}")
+    recent = history.recent[slots]
+    match = ((recent == prefixes) | (prefixes < 0)).all(dim=1)
+    _ban_where(logits, rows, banned, match)

@@ -1,0 +1,59 @@
+"""Logprobs of the model's raw distribution, computed on the device in the step that sampled the tokens.
+
+Like vLLM's default, they are log_softmax of the raw logits in float32: before temperature, penalties, logit bias
+or any filter, so they score the model, not the sampling settings. A token's rank is the number of vocabulary
+entries whose logprob is >= its own (1 = the most likely; vLLM counts the same way). The caller runs this only for
+rows that asked (zero cost otherwise); prompt logprobs are the same computation over the logits of every prompt
+position, each scoring the prompt token that follows it."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class TokenLogprobs:
+    logprobs: torch.Tensor  # float32 [rows]: log p(token)
+    ranks: torch.Tensor  # int64 [rows]
+    top_ids: torch.Tensor  # int64 [rows, num_top], most likely first
+    top_logprobs: torch.Tensor  # float32 [rows, num_top]
+
+
+def _torch_stats(logits: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = logits.float()
+    chosen = logits.gather(1, token_ids.unsqueeze(1))
+    logprobs = (chosen - torch.logsumexp(logits, dim=-1, keepdim=True)).squeeze(1)
+    return logprobs, (logits >= chosen).sum(dim=-1)
+
+
+def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> TokenLogprobs:
+    """logits [rows, vocab] any float dtype, token_ids int64 [rows] -> each token's logprob and rank, and the
+    num_top most likely tokens with their logprobs (num_top may be 0). One pass over the logits (a fused kernel
+    on CUDA) plus a top-k; float32 throughout."""
+    if not 0 <= num_top <= logits.shape[1]:
+        raise ValueError(f"num_top must be in [0, {logits.shape[1]}], got {num_top}")
+    if logits.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        from nanovllm.kernels.sampling import logprob_stats
+        logprobs, ranks = logprob_stats(logits, token_ids)
+    else:
+        logprobs, ranks = _torch_stats(logits, token_ids)
+    top_values, top_ids = logits.topk(num_top, dim=-1)
+    # log p = x - logsumexp = x - (x_token - log p_token): the row's normaliser from the pass above
+    normaliser = logits.gather(1, token_ids.unsqueeze(1)).float() - logprobs.unsqueeze(1)
+    return TokenLogprobs(logprobs=logprobs, ranks=ranks, top_ids=top_ids,
+                         top_logprobs=top_values.float() - normaliser)
+
+
+def compute_prompt_logprobs(logits: torch.Tensor, prompt_ids: torch.Tensor, num_top: int,
+                            chunk_rows: int = 1024) -> TokenLogprobs:
+    """Prompt logprobs: logits [positions, vocab] of consecutive prompt positions and prompt_ids [positions] the
+    prompt token that follows each position. Processed in chunks of rows to bound the temporaries of a long
+    prompt."""
+    parts = [compute_logprobs(logits[start:start + chunk_rows], prompt_ids[start:start + chunk_rows], num_top)
+             for start in range(0, logits.shape[0], chunk_rows)]
+    if not parts:
+        return compute_logprobs(logits, prompt_ids, num_top)
+    return TokenLogprobs(*(torch.cat([getattr(part, name) for part in parts])
+                           for name in ("logprobs", "ranks", "top_ids", "top_logprobs")))

@@ -1,0 +1,358 @@
+"""Fused sampling: temperature, top-k, top-p, min-p (any mix per row) and greedy rows, one program per row.
+
+The rule (the torch path `nanovllm.layers.sampler.reference_sample` states it the same way and is the oracle):
+
+- temperature 0: the argmax of the raw logits (first index on ties).
+- otherwise, on fp32 logits `x`, with `inv_t = 1 / temperature` and the row maximum `m`:
+  * top-k (on when k < vocab): tau_k = the k-th largest logit; every token tied with it is kept too.
+  * top-p (on when p < 1), over the top-k survivors renormalised: with w = exp((x - m) * inv_t) and M the mass of
+    the top-k survivors, tau_p = the largest logit v with mass(x >= v) >= p * M.
+  * min-p (on when min_p > 0): tau_min = m + temperature * log(min_p), i.e. p_i >= min_p * p_max.
+  * the kept set is x >= max(tau_k, tau_p, tau_min); the token is the Gumbel-max winner over it:
+    argmax of x * inv_t + g_i, first index on ties, with g_i = -log(-log(u_i)) and u_i a function of
+    (row seed, output position, token id) only: `u_i = (2 * (h_i >> 9) + 1) / 2**24` with the 32-bit hash
+    `h_i = mix32(row_key ^ (i * GOLDEN))`, `row_key = mix32(mix32(mix32(seed_lo ^ SALT) ^ seed_hi) ^ position)`.
+    A seeded row's token therefore depends on its logits, seed and position only, never on the batch.
+
+How it avoids sorting the vocabulary: after one pass for (max, finite min, softmax mass) the kernel searches the
+threshold of the first active filter (count mode for top-k, mass mode for top-p) with PIVOTS thresholds per pass
+over the row, narrowing [lo, hi) (lo satisfies the filter's target, hi does not). As soon as at most CAP tokens
+lie at or above lo it writes them (value, id) to a per-row scratch, sorts those in registers and finishes every
+threshold and the Gumbel-max draw there: no further pass. If instead the interval [lo, hi) holds at most CAP
+tokens while more lie above (a large kept set: top-p alone on a flat distribution, top-k > CAP), the interval is
+sorted to place the threshold exactly, a second search places top-p after top-k when both are on, and one last
+pass draws over the kept set. Temperature-only rows take a single pass (draw over all), min-p-only rows two.
+A row whose search interval still holds more than CAP tokens after MAX_PASSES passes (thousands of distinct
+logits within a relative width of 1e-9) keeps that whole interval.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm.layers import noise
+
+# jit functions read module globals only as constexpr
+MIX_A = tl.constexpr(noise.MIX_A)
+MIX_B = tl.constexpr(noise.MIX_B)
+GOLDEN = tl.constexpr(noise.GOLDEN)
+SALT = tl.constexpr(noise.SALT)
+
+DEFAULT_CAP = 1024
+# One program per row must keep its own loads in flight: 16 warps over 8192-logit blocks (16 KB of bf16 per
+# iteration) use 128 registers a thread on sm_90, one program per SM. scripts/bench_sampler.py --sweep times others.
+DEFAULT_BLOCK = 8192
+DEFAULT_WARPS = 16
+PIVOTS = 8
+MAX_PASSES = 12
+
+
+@triton.jit
+def _mix32(x):
+    x = x ^ (x >> 16)
+    x = x * tl.full([], MIX_A, tl.uint32)
+    x = x ^ (x >> 15)
+    x = x * tl.full([], MIX_B, tl.uint32)
+    return x ^ (x >> 15)
+
+
+@triton.jit
+def _row_key(seed, position):
+    seed_lo = (seed & 0xFFFFFFFF).to(tl.uint32)
+    seed_hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    key = _mix32(seed_lo ^ tl.full([], SALT, tl.uint32))
+    key = _mix32(key ^ seed_hi)
+    return _mix32(key ^ (position & 0xFFFFFFFF).to(tl.uint32))
+
+
+@triton.jit
+def _gumbel(row_key, token):
+    bits = _mix32(row_key ^ (token.to(tl.uint32) * tl.full([], GOLDEN, tl.uint32)))
+    uniform = ((bits >> 9).to(tl.float32) * 2.0 + 1.0) * (1.0 / 16777216.0)
+    return -tl.log(-tl.log(uniform))
+
+
+@triton.jit
+def _load(base, start, vocab, BLOCK: tl.constexpr):
+    cols = start + tl.arange(0, BLOCK)
+    return tl.load(base + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32), cols
+
+
+@triton.jit
+def _argmax_pass(base, vocab, BLOCK: tl.constexpr):
+    best = tl.full([], float("-inf"), tl.float32)
+    best_id = tl.full([], 0, tl.int64)
+    for start in range(0, vocab, BLOCK):
+        x, cols = _load(base, start, vocab, BLOCK)
+        block_best = tl.max(x, axis=0)
+        block_id = tl.min(tl.where(x == block_best, cols, vocab), axis=0).to(tl.int64)
+        take = block_best > best
+        best_id = tl.where(take, block_id, best_id)
+        best = tl.where(take, block_best, best)
+    return best_id
+
+
+@triton.jit
+def _draw_pass(base, vocab, tau, inv_t, row_key, BLOCK: tl.constexpr):
+    """Gumbel-max winner over the tokens with x >= tau."""
+    best = tl.full([], float("-inf"), tl.float32)
+    best_id = tl.full([], 0, tl.int64)
+    for start in range(0, vocab, BLOCK):
+        x, cols = _load(base, start, vocab, BLOCK)
+        score = tl.where(x >= tau, x * inv_t + _gumbel(row_key, cols), float("-inf"))
+        block_best = tl.max(score, axis=0)
+        block_id = tl.min(tl.where(score == block_best, cols, vocab), axis=0).to(tl.int64)
+        take = block_best > best
+        best_id = tl.where(take, block_id, best_id)
+        best = tl.where(take, block_best, best)
+    return best_id
+
+
+@triton.jit
+def _stats_pass(base, vocab, inv_t, BLOCK: tl.constexpr):
+    """(max, smallest finite logit, number of finite logits, sum of exp((x - max) * inv_t)), one online pass."""
+    row_max = tl.full([], float("-inf"), tl.float32)
+    row_min = tl.full([], float("inf"), tl.float32)
+    finite = tl.full([], 0, tl.int32)
+    mass = tl.full([], 0.0, tl.float32)
+    for start in range(0, vocab, BLOCK):
+        x, _ = _load(base, start, vocab, BLOCK)
+        new_max = tl.maximum(row_max, tl.max(x, axis=0))
+        shift = tl.where(new_max > float("-inf"), new_max, 0.0)  # a block of banned (-inf) tokens only
+        mass = mass * tl.exp((row_max - shift) * inv_t) + tl.sum(tl.exp((x - shift) * inv_t), axis=0)
+        row_max = new_max
+        is_finite = x > float("-inf")
+        row_min = tl.minimum(row_min, tl.min(tl.where(is_finite, x, float("inf")), axis=0))
+        finite += tl.sum(is_finite.to(tl.int32), axis=0)
+    return row_max, row_min, finite, mass
+
+
+@triton.jit
+def _pick(vector, index, lanes):
+    return tl.sum(tl.where(lanes == index, vector, 0), axis=0)
+
+
+@triton.jit
+def _count_above(x, pivots, row_max, inv_t, counts, masses):
+    above = x[:, None] >= pivots[None, :]
+    counts += tl.sum(above.to(tl.int32), axis=0)
+    masses += tl.sum(tl.where(above, tl.exp((x - row_max) * inv_t)[:, None], 0.0), axis=0)
+    return counts, masses
+
+
+@triton.jit
+def _search(base, vocab, row_max, inv_t, lo, count_lo, mass_lo, target, by_mass,
+            BLOCK: tl.constexpr, PIVOTS: tl.constexpr, CAP: tl.constexpr, MAX_PASSES: tl.constexpr):
+    """Narrow [lo, hi) around the largest threshold v with W(x >= v) >= target (W: the token count, or the mass
+    when `by_mass`), from a lo that reaches the target, until at most CAP tokens lie at or above lo, or within
+    [lo, hi). Returns lo, hi and the (count, mass) at or above each; hi = +inf (count 0) when all of x >= lo
+    fits in CAP. Stops early when lo reaches the top (more than CAP tokens tied at lo)."""
+    hi = tl.full([], float("inf"), tl.float32)
+    count_hi = tl.full([], 0, tl.int32)
+    mass_hi = tl.full([], 0.0, tl.float32)
+    lanes = tl.arange(0, PIVOTS)
+    passes = 0
+    top = tl.minimum(hi, row_max)
+    while (count_lo > CAP) & (count_lo - count_hi > CAP) & (lo < top) & (passes < MAX_PASSES):
+        pivots = lo + (top - lo) * ((lanes + 1).to(tl.float32) / PIVOTS)
+        pivots = tl.where(lanes == PIVOTS - 1, top, pivots)
+        counts = tl.zeros([PIVOTS], dtype=tl.int32)
+        masses = tl.zeros([PIVOTS], dtype=tl.float32)
+        # four loads in flight before the first is used: one program per row must hide memory latency itself
+        for start in range(0, vocab, BLOCK):
+            x0, _ = _load(base, start, vocab, BLOCK // 4)
+            x1, _ = _load(base, start + BLOCK // 4, vocab, BLOCK // 4)
+            x2, _ = _load(base, start + 2 * (BLOCK // 4), vocab, BLOCK // 4)
+            x3, _ = _load(base, start + 3 * (BLOCK // 4), vocab, BLOCK // 4)
+            counts, masses = _count_above(x0, pivots, row_max, inv_t, counts, masses)
+            counts, masses = _count_above(x1, pivots, row_max, inv_t, counts, masses)
+            counts, masses = _count_above(x2, pivots, row_max, inv_t, counts, masses)
+            counts, masses = _count_above(x3, pivots, row_max, inv_t, counts, masses)
+        reached = tl.where(by_mass, masses, counts.to(tl.float32)) >= target
+        num_valid = tl.sum(reached.to(tl.int32), axis=0)  # W falls as the pivot rises: a prefix reaches it
+        if num_valid > 0:
+            lo = _pick(pivots, num_valid - 1, lanes)
+            count_lo = _pick(counts, num_valid - 1, lanes)
+            mass_lo = _pick(masses, num_valid - 1, lanes)
+        if num_valid < PIVOTS:
+            hi = _pick(pivots, num_valid, lanes)
+            count_hi = _pick(counts, num_valid, lanes)
+            mass_hi = _pick(masses, num_valid, lanes)
+        top = tl.minimum(hi, row_max)
+        passes += 1
+    if count_lo <= CAP:
+        hi = tl.full([], float("inf"), tl.float32)
+        count_hi = tl.full([], 0, tl.int32)
+        mass_hi = tl.full([], 0.0, tl.float32)
+    return lo, hi, count_lo, count_hi, mass_lo, mass_hi
+
+
+@triton.jit
+def _gather_sorted(base, vocab, lo, hi, scratch_row, BLOCK: tl.constexpr, CAP: tl.constexpr):
+    """The tokens with lo <= x < hi (at most CAP of them), sorted by logit descending then id ascending:
+    (values, ids, lane is filled)."""
+    filled = tl.full([], 0, tl.int32)
+    for start in range(0, vocab, BLOCK):
+        x, cols = _load(base, start, vocab, BLOCK)
+        chosen = (x >= lo) & (x < hi)
+        slot = filled + tl.cumsum(chosen.to(tl.int32), axis=0) - 1
+        bits = x.to(tl.int32, bitcast=True)
+        ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # int order == float order
+        key = (ordered.to(tl.int64) << 32) | (0xFFFFFFFF - cols.to(tl.int64))
+        tl.store(scratch_row + slot, key, mask=chosen & (slot < CAP))
+        filled += tl.sum(chosen.to(tl.int32), axis=0)
+    tl.debug_barrier()
+    lanes = tl.arange(0, CAP)
+    keys = tl.load(scratch_row + lanes, mask=lanes < filled, other=-9223372036854775808)
+    keys = tl.sort(keys, descending=True)
+    ordered = (keys >> 32).to(tl.int32)
+    values = tl.where(ordered < 0, ordered ^ 0x7FFFFFFF, ordered).to(tl.float32, bitcast=True)
+    ids = 0xFFFFFFFF - (keys & 0xFFFFFFFF)
+    return values, ids, lanes < filled
+
+
+@triton.jit
+def _first_reaching(values, cumulative, target, filled, lanes, CAP: tl.constexpr):
+    """The value at the first filled lane whose cumulative weight reaches target (the last filled lane if
+    rounding leaves every lane short)."""
+    first = tl.min(tl.where((cumulative >= target) & filled, lanes, CAP), axis=0)
+    last = tl.max(tl.where(filled, lanes, 0), axis=0)
+    return _pick(values, tl.minimum(first, last), lanes)
+
+
+@triton.jit
+def _sample_kernel(logits, stride, out, temperatures, top_k, top_p, min_p, seeds, positions, scratch, vocab,
+                   BLOCK: tl.constexpr, PIVOTS: tl.constexpr, CAP: tl.constexpr, MAX_PASSES: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = logits + row * stride
+    temperature = tl.load(temperatures + row)
+    if temperature == 0.0:
+        token = _argmax_pass(base, vocab, BLOCK)
+    else:
+        inv_t = tl.math.div_rn(tl.full([], 1.0, tl.float32), temperature)
+        k = tl.load(top_k + row)
+        p = tl.load(top_p + row)
+        minimum_p = tl.load(min_p + row)
+        row_key = _row_key(tl.load(seeds + row), tl.load(positions + row))
+        topk_on = k < vocab
+        topp_on = p < 1.0
+        tau = tl.full([], float("-inf"), tl.float32)
+        token = tl.full([], -1, tl.int64)
+        if topk_on | topp_on:
+            row_max, row_min, finite, total = _stats_pass(base, vocab, inv_t, BLOCK)
+            if minimum_p > 0.0:
+                tau = row_max + temperature * tl.log(minimum_p)
+            k_target = tl.minimum(k, finite).to(tl.float32)  # a k past the unbanned tokens keeps them all
+            lanes = tl.arange(0, CAP)
+            scratch_row = scratch + row * CAP
+            target = tl.where(topk_on, k_target, p * total)
+            lo, hi, count_lo, count_hi, mass_lo, mass_hi = _search(
+                base, vocab, row_max, inv_t, row_min, finite, total, target, k >= vocab, BLOCK, PIVOTS, CAP, MAX_PASSES)
+            if count_lo <= CAP:  # every token >= lo fits in registers: finish there, no further pass
+                values, ids, filled = _gather_sorted(base, vocab, lo, hi, scratch_row, BLOCK, CAP)
+                weights = tl.where(filled, tl.exp((values - row_max) * inv_t), 0.0)
+                tau_k = tl.full([], float("-inf"), tl.float32)
+                survivors = total
+                if topk_on:
+                    tau_k = _first_reaching(values, (lanes + 1).to(tl.float32), k_target, filled, lanes, CAP)
+                    survivors = tl.sum(tl.where(values >= tau_k, weights, 0.0), axis=0)
+                if topp_on:
+                    tau = tl.maximum(tau, _first_reaching(values, tl.cumsum(weights, axis=0), p * survivors,
+                                                          filled & (values >= tau_k), lanes, CAP))
+                tau = tl.maximum(tau, tau_k)
+                score = tl.where(filled & (values >= tau), values * inv_t + _gumbel(row_key, ids), float("-inf"))
+                best = tl.max(score, axis=0)
+                token = tl.min(tl.where(score == best, ids, vocab), axis=0).to(tl.int64)
+            else:
+                threshold = lo  # more than CAP tokens still in [lo, hi) after MAX_PASSES: keep them all
+                count_kept = count_lo
+                survivors = mass_lo
+                if count_lo - count_hi <= CAP:  # the exact threshold, inside the interval
+                    values, ids, filled = _gather_sorted(base, vocab, lo, hi, scratch_row, BLOCK, CAP)
+                    weights = tl.where(filled, tl.exp((values - row_max) * inv_t), 0.0)
+                    if topk_on:
+                        reached = (count_hi + lanes + 1).to(tl.float32)
+                        threshold = _first_reaching(values, reached, k_target, filled, lanes, CAP)
+                    else:
+                        threshold = _first_reaching(values, mass_hi + tl.cumsum(weights, axis=0), p * total,
+                                                    filled, lanes, CAP)
+                    kept = filled & (values >= threshold)
+                    count_kept = count_hi + tl.sum(kept.to(tl.int32), axis=0)
+                    survivors = mass_hi + tl.sum(tl.where(kept, weights, 0.0), axis=0)
+                if topk_on & topp_on:  # top-p inside the top-k survivors: a second search, up from tau_k
+                    lo, hi, count_lo, count_hi, mass_lo, mass_hi = _search(
+                        base, vocab, row_max, inv_t, threshold, count_kept, survivors, p * survivors, topp_on,
+                        BLOCK, PIVOTS, CAP, MAX_PASSES)
+                    tau_k = threshold
+                    threshold = lo
+                    if count_lo - count_hi <= CAP:
+                        values, ids, filled = _gather_sorted(base, vocab, lo, hi, scratch_row, BLOCK, CAP)
+                        weights = tl.where(filled, tl.exp((values - row_max) * inv_t), 0.0)
+                        threshold = _first_reaching(values, mass_hi + tl.cumsum(weights, axis=0), p * survivors,
+                                                    filled, lanes, CAP)
+                    threshold = tl.maximum(threshold, tau_k)
+                tau = tl.maximum(tau, threshold)
+        elif minimum_p > 0.0:
+            row_max = tl.full([], float("-inf"), tl.float32)
+            for start in range(0, vocab, BLOCK):
+                x, _ = _load(base, start, vocab, BLOCK)
+                row_max = tl.maximum(row_max, tl.max(x, axis=0))
+            tau = row_max + temperature * tl.log(minimum_p)
+        if token < 0:
+            token = _draw_pass(base, vocab, tau, inv_t, row_key, BLOCK)
+    tl.store(out + row, token)
+
+
+def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                 min_p: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, *, cap: int = DEFAULT_CAP,
+                 block: int = DEFAULT_BLOCK, num_warps: int = DEFAULT_WARPS) -> torch.Tensor:
+    """logits [batch, vocab] fp32/bf16/fp16 (unit stride along vocab) -> token ids int64 [batch]. Per-row
+    settings: temperatures f32 (0 = greedy), top_k int (>= vocab = off), top_p f32 (1 = off), min_p f32
+    (0 = off), seeds and positions int64. No host synchronisation; `cap` and `block` are powers of two."""
+    batch, vocab = logits.shape
+    assert logits.stride(1) == 1, "logits must be contiguous along the vocabulary"
+    out = torch.empty(batch, dtype=torch.int64, device=logits.device)
+    if batch == 0:
+        return out
+    scratch = torch.empty(batch, cap, dtype=torch.int64, device=logits.device)
+    _sample_kernel[(batch,)](
+        logits, logits.stride(0), out, temperatures, top_k, top_p, min_p, seeds, positions, scratch, vocab,
+        BLOCK=block, PIVOTS=PIVOTS, CAP=cap, MAX_PASSES=MAX_PASSES, num_warps=num_warps)
+    return out
+
+
+@triton.jit
+def _logprob_stats_kernel(logits, stride, token_ids, out_logprob, out_rank, vocab, BLOCK: tl.constexpr):
+    """Per row: log_softmax(x)[token] in float32 and the token's rank, the number of tokens whose logit is >= its
+    own (1 = the most likely), in one online pass."""
+    row = tl.program_id(0).to(tl.int64)
+    base = logits + row * stride
+    token = tl.load(token_ids + row)
+    chosen = tl.load(base + token).to(tl.float32)
+    row_max = tl.full([], float("-inf"), tl.float32)
+    mass = tl.full([], 0.0, tl.float32)
+    rank = tl.full([], 0, tl.int32)
+    for start in range(0, vocab, BLOCK):
+        x, _ = _load(base, start, vocab, BLOCK)
+        new_max = tl.maximum(row_max, tl.max(x, axis=0))
+        shift = tl.where(new_max > float("-inf"), new_max, 0.0)
+        mass = mass * tl.exp(row_max - shift) + tl.sum(tl.exp(x - shift), axis=0)
+        row_max = new_max
+        rank += tl.sum((x >= chosen).to(tl.int32), axis=0)
+    tl.store(out_logprob + row, chosen - row_max - tl.log(mass))
+    tl.store(out_rank + row, rank.to(tl.int64))
+
+
+def logprob_stats(logits: torch.Tensor, token_ids: torch.Tensor,
+                  block: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [rows, vocab] (unit stride along vocab), token_ids int64 [rows] -> (float32 logprob of each token
+    under log_softmax of the logits, int64 rank), without materialising a float32 copy of the logits."""
+    rows, vocab = logits.shape
+    assert logits.stride(1) == 1, "logits must be contiguous along the vocabulary"
+    logprob = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    rank = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if rows:
+        _logprob_stats_kernel[(rows,)](logits, logits.stride(0), token_ids, logprob, rank, vocab, BLOCK=block,
+                                       num_warps=8)
+    return logprob, rank

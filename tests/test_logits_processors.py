@@ -1,0 +1,163 @@
+"""Penalties and logit controls against HF transformers' logits processors (and OpenAI's formula by hand)."""
+import pytest
+import torch
+from transformers.generation.logits_process import (
+    MinNewTokensLengthLogitsProcessor,
+    NoBadWordsLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
+)
+
+from nanovllm.layers.logits_processors import (
+    TokenHistory,
+    apply_allowed_tokens,
+    apply_bad_words,
+    apply_logit_bias,
+    apply_min_tokens,
+    apply_penalties,
+    batch_index_of,
+    pack_bad_words,
+)
+
+VOCAB = 64
+PROMPTS = [[3, 4, 5, 3], [10, 11], [7, 7, 8]]
+OUTPUTS = [[4, 9, 9, 20], [], [1, 2, 7, 2, 2]]
+
+
+def random_logits(rows=3, seed=0):
+    return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def filled_history(window=4):
+    """Slots 2, 0, 5 hold rows 0, 1, 2; their outputs are recorded one step at a time as the engine would."""
+    history = TokenHistory.allocate(num_slots=6, vocab_size=VOCAB, window=window, device=torch.device("cpu"))
+    slots = [2, 0, 5]
+    for slot, prompt in zip(slots, PROMPTS):
+        history.reset(slot, torch.tensor(prompt))
+    for step in range(max(map(len, OUTPUTS))):
+        live = [i for i, out in enumerate(OUTPUTS) if step < len(out)]
+        history.record(torch.tensor([slots[i] for i in live]), torch.tensor([OUTPUTS[i][step] for i in live]))
+    return history, torch.tensor(slots)
+
+
+def test_repetition_penalty_equals_hf():
+    history, slots = filled_history()
+    penalties = [1.3, 0.7, 2.0]
+    logits = random_logits()
+    ours = logits.clone()
+    apply_penalties(ours, torch.arange(3), slots, history, torch.tensor(penalties), torch.zeros(3), torch.zeros(3))
+    for row, penalty in enumerate(penalties):
+        seen = torch.tensor([PROMPTS[row] + OUTPUTS[row]])
+        hf = RepetitionPenaltyLogitsProcessor(penalty)(seen, logits[row:row + 1].clone())
+        torch.testing.assert_close(ours[row:row + 1], hf, rtol=0, atol=0)
+
+
+def test_presence_and_frequency_follow_openai_formula():
+    history, slots = filled_history()
+    presence, frequency = [0.5, -0.3, 1.5], [0.25, 0.4, -0.5]
+    logits = random_logits(seed=1)
+    ours = logits.clone()
+    apply_penalties(ours, torch.arange(3), slots, history, torch.ones(3), torch.tensor(presence),
+                    torch.tensor(frequency))
+    for row in range(3):
+        for token in range(VOCAB):
+            count = OUTPUTS[row].count(token)  # the prompt does not count
+            want = logits[row, token].item() - frequency[row] * count - presence[row] * (count > 0)
+            assert abs(ours[row, token].item() - want) < 1e-5, (row, token)
+
+
+def test_penalties_only_touch_the_rows_given():
+    history, slots = filled_history()
+    logits = random_logits(seed=2)
+    ours = logits.clone()
+    apply_penalties(ours, torch.tensor([1]), slots[1:2], history, torch.tensor([1.5]), torch.tensor([1.0]),
+                    torch.tensor([1.0]))
+    assert torch.equal(ours[0], logits[0]) and torch.equal(ours[2], logits[2])
+    assert not torch.equal(ours[1], logits[1])
+
+
+def test_min_tokens_equal_hf_min_new_tokens():
+    eos = [2, 5]
+    min_tokens = [3, 1, 4]
+    output_lens = torch.tensor([len(out) for out in OUTPUTS])
+    logits = random_logits(seed=3)
+    ours = logits.clone()
+    rows = torch.tensor([row for row in range(3) for _ in eos])
+    apply_min_tokens(ours, rows, torch.tensor(eos * 3), torch.tensor(min_tokens).repeat_interleave(len(eos)),
+                     output_lens)
+    for row in range(3):
+        ids = torch.tensor([PROMPTS[row] + OUTPUTS[row]])
+        processor = MinNewTokensLengthLogitsProcessor(len(PROMPTS[row]), min_tokens[row], eos)
+        torch.testing.assert_close(ours[row:row + 1], processor(ids, logits[row:row + 1].clone()), rtol=0, atol=0)
+
+
+def test_bad_words_equal_hf_over_the_output():
+    """vLLM matches bad words against the output only: HF's processor is given the output as its input ids."""
+    window = 4
+    history, slots = filled_history(window)
+    bad_words = [[[9, 20, 33], [9, 9, 20, 6], [40]], [[1, 2]], [[2, 7, 2, 2, 50], [2, 8], [2, 13], [62]]]
+    logits = random_logits(seed=4)
+    ours = logits.clone()
+    packed = [pack_bad_words(words, window) for words in bad_words]
+    rows = torch.cat([torch.full((len(words),), row) for row, words in enumerate(bad_words)])
+    apply_bad_words(ours, rows, slots[rows], torch.cat([p[0] for p in packed]), torch.cat([p[1] for p in packed]),
+                    history)
+    for row, words in enumerate(bad_words):
+        processor = NoBadWordsLogitsProcessor(words, eos_token_id=None)
+        hf = processor(torch.tensor(OUTPUTS[row], dtype=torch.int64).view(1, -1), logits[row:row + 1].clone())
+        torch.testing.assert_close(ours[row:row + 1], hf, rtol=0, atol=0)
+    assert ours[0, 33] == float("-inf") and ours[0, 6] == float("-inf") and ours[2, 50] == float("-inf")
+
+
+def test_bad_words_longer_than_the_window_are_rejected_by_name():
+    with pytest.raises(ValueError, match="bad_words"):
+        pack_bad_words([[1, 2, 3, 4, 5, 6]], window=4)
+    with pytest.raises(ValueError, match="bad_words"):
+        pack_bad_words([[]], window=4)
+
+
+def test_logit_bias_equals_hf_sequence_bias():
+    biases = [{4: 2.5, 9: -100.0}, {}, {0: 1.0, 63: -3.0, 7: 0.5}]
+    logits = random_logits(seed=5)
+    ours = logits.clone()
+    entries = [(row, token, value) for row, bias in enumerate(biases) for token, value in bias.items()]
+    rows, tokens, values = (torch.tensor(column) for column in zip(*entries))
+    apply_logit_bias(ours, rows, tokens, values)
+    for row, bias in enumerate(biases):
+        if not bias:
+            assert torch.equal(ours[row], logits[row])
+            continue
+        processor = SequenceBiasLogitsProcessor({(token,): value for token, value in bias.items()})
+        hf = processor(torch.tensor([[1, 2]]), logits[row:row + 1].clone())
+        torch.testing.assert_close(ours[row:row + 1], hf, rtol=0, atol=0)
+
+
+def test_allowed_token_ids_mask_everything_else():
+    logits = random_logits(seed=6)
+    ours = logits.clone()
+    allowed = {0: [5, 6, 60], 2: [1]}
+    rows = torch.tensor([row for row, ids in allowed.items() for _ in ids])
+    apply_allowed_tokens(ours, rows, torch.tensor([t for ids in allowed.values() for t in ids]))
+    for row in range(3):
+        for token in range(VOCAB):
+            want = logits[row, token] if row not in allowed or token in allowed[row] else float("-inf")
+            assert ours[row, token] == want
+
+
+def test_controls_reject_half_precision_logits():
+    with pytest.raises(TypeError, match="float32"):
+        apply_logit_bias(random_logits().half(), torch.tensor([0]), torch.tensor([1]), torch.tensor([1.0]))
+
+
+def test_history_reset_with_output_equals_recording_it():
+    history, slots = filled_history()
+    resumed = TokenHistory.allocate(num_slots=6, vocab_size=VOCAB, window=4, device=torch.device("cpu"))
+    for slot, prompt, output in zip(slots.tolist(), PROMPTS, OUTPUTS):
+        resumed.reset(slot, torch.tensor(prompt), torch.tensor(output, dtype=torch.int64))
+    for name in ("output_counts", "prompt_mask", "recent", "output_lens"):
+        assert torch.equal(getattr(resumed, name), getattr(history, name)), name
+
+
+def test_batch_index_of_inverts_the_row_list():
+    inverse = batch_index_of(torch.tensor([4, 0, 2]), 6)
+    assert inverse.tolist() == [1, -1, 2, -1, 0, -1]

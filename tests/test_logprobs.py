@@ -1,0 +1,80 @@
+"""Logprobs of the raw distribution: log_softmax of float32 logits, the token's rank, the top-k."""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from nanovllm.layers.logprobs import compute_logprobs, compute_prompt_logprobs  # noqa: E402
+
+
+def expected(logits, token_ids, num_top):
+    reference = torch.log_softmax(logits.double(), dim=-1)
+    chosen = reference.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    ranks = (reference >= chosen.unsqueeze(1)).sum(dim=-1)
+    top = reference.topk(num_top, dim=-1)
+    return chosen, ranks, top
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_logprobs_equal_log_softmax_of_float32_logits(dtype):
+    generator = torch.Generator().manual_seed(1)
+    logits = (torch.randn(9, 3000, generator=generator) * 4).to(dtype)
+    token_ids = torch.randint(0, 3000, (9,), generator=generator)
+    token_ids[0] = logits[0].float().argmax()
+    result = compute_logprobs(logits, token_ids, num_top=5)
+    chosen, ranks, top = expected(logits.float(), token_ids, 5)
+    torch.testing.assert_close(result.logprobs.double(), chosen, atol=1e-5, rtol=0)
+    assert torch.equal(result.ranks, ranks)
+    assert result.ranks[0] == 1
+    assert torch.equal(result.top_ids, top.indices)
+    torch.testing.assert_close(result.top_logprobs.double(), top.values, atol=1e-5, rtol=0)
+
+
+def test_ranks_count_ties_as_ahead_and_zero_top():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0]])
+    result = compute_logprobs(logits, torch.tensor([2]), num_top=0)
+    assert result.ranks.tolist() == [3]
+    assert result.top_ids.shape == (1, 0)
+    with pytest.raises(ValueError, match="num_top"):
+        compute_logprobs(logits, torch.tensor([2]), num_top=6)
+
+
+def test_prompt_logprobs_in_chunks_equal_one_pass():
+    generator = torch.Generator().manual_seed(2)
+    logits = torch.randn(37, 500, generator=generator) * 3
+    next_ids = torch.randint(0, 500, (37,), generator=generator)
+    chunked = compute_prompt_logprobs(logits, next_ids, num_top=3, chunk_rows=8)
+    chosen, ranks, top = expected(logits, next_ids, 3)
+    torch.testing.assert_close(chunked.logprobs.double(), chosen, atol=1e-5, rtol=0)
+    assert torch.equal(chunked.ranks, ranks)
+    assert torch.equal(chunked.top_ids, top.indices)
+
+
+def test_logprob_stats_kernel_equals_torch():
+    pytest.importorskip("triton")
+    from nanovllm.kernels.sampling import logprob_stats
+
+    generator = torch.Generator().manual_seed(4)
+    logits = (torch.randn(5, 1000, generator=generator) * 5).to(torch.bfloat16)
+    logits[1, :300] = float("-inf")  # a block of -inf only: the online max must not turn into NaN
+    token_ids = torch.randint(300, 1000, (5,), generator=generator)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    logprob, rank = logprob_stats(logits.to(device), token_ids.to(device), block=256)
+    chosen, ranks, _ = expected(logits.float(), token_ids, 1)
+    torch.testing.assert_close(logprob.cpu().double(), chosen, atol=1e-5, rtol=0)
+    assert torch.equal(rank.cpu(), ranks)
+
+
+@pytest.mark.gpu
+def test_gpu_logprobs_at_real_shape():
+    logits = (torch.randn(64, 151936, device="cuda", generator=torch.Generator("cuda").manual_seed(0)) * 4)
+    logits = logits.to(torch.bfloat16)
+    token_ids = torch.randint(0, 151936, (64,), device="cuda")
+    result = compute_logprobs(logits, token_ids, num_top=5)
+    chosen, ranks, top = expected(logits.float(), token_ids, 5)
+    torch.testing.assert_close(result.logprobs.double(), chosen, atol=1e-4, rtol=0)
+    assert torch.equal(result.ranks, ranks)
+    torch.testing.assert_close(result.top_logprobs.double(), top.values, atol=1e-4, rtol=0)
