@@ -48,7 +48,10 @@ def duration(seconds: float | None) -> str:
 class ProgressDisplay:
     """Call `tick()` often; it redraws at most 4 times a second (terminal) or every `log_interval` s (plain).
 
-    On a terminal: a bar (rows done / total, elapsed) over a line of live figures."""
+    On a terminal: a bar (rows done / total, elapsed) over a line of live figures. Row errors are printed
+    (quiet or not) up to `MAX_ROW_ERRORS`; OUTPUT has them all."""
+
+    MAX_ROW_ERRORS = 20
 
     def __init__(self, snapshot: Callable[[], Snapshot], *, quiet: bool, log_interval: float,
                  console: Console | None = None):
@@ -62,6 +65,7 @@ class ProgressDisplay:
         self.task = self.bar.add_task("rows", total=None)
         self.figures = Text()
         self.live: Live | None = None
+        self.row_errors = 0
 
     def __enter__(self):
         if not self.quiet and self.console.is_terminal:
@@ -74,6 +78,13 @@ class ProgressDisplay:
         self.tick(force=True)
         if self.live is not None:
             self.live.stop()
+
+    def row_error(self, message: str) -> None:
+        self.row_errors += 1
+        if self.row_errors <= self.MAX_ROW_ERRORS:
+            self.console.print(Text.assemble(("row error ", "red"), message), soft_wrap=True, highlight=False)
+        elif self.row_errors == self.MAX_ROW_ERRORS + 1:
+            self.console.print("more row errors: only in OUTPUT (their records' \"error\" field)")
 
     def tick(self, force: bool = False) -> None:
         now = time.monotonic()

@@ -92,7 +92,7 @@ def test_journal_left_by_a_crash_after_the_merge_is_not_merged_twice(tmp_path, m
         writer.close()
     monkeypatch.undo()
     assert writers.journal_path(out).exists() and len(records(out)) == 3
-    assert writers.resume_ids(out, layout) == {"r0", "r1", "r2"}
+    assert writers.resume_ids(out, layout).ids == {"r0", "r1", "r2"}
     assert not writers.journal_path(out).exists()  # recognised as merged
     writer = writers.open_writer(out, layout, append=True)
     writer.write({"id": "r3", **record})

@@ -211,7 +211,13 @@ BAD_ROWS = [
     ({"id": "text", "prompt": "needs a tokenizer"}, "has no tokenizer"),
     ({"id": "chat", "messages": [{"role": "user", "content": "hi"}]}, "has no chat template"),
     ({"id": "vocab", "prompt_token_ids": [1, 10**6]}, "outside the vocabulary"),
-    ({"id": "good-1", "prompt_token_ids": [3]}, "duplicate id 'good-1'"),
+    ({"id": "nan", "prompt_token_ids": [1, 2], "temperature": float("nan")}, "temperature=nan: must be a finite"),
+    ({"id": "seed", "prompt_token_ids": [1, 2], "seed": 2**63}, "seed=9223372036854775808: must be an integer in"),
+    ({"id": "top-k", "prompt_token_ids": [1, 2], "top_k": 2**63}, "top_k=9223372036854775808"),
+    ({"id": "top-p", "prompt_token_ids": [1, 2], "sampling_params": {"top_p": float("inf")}}, "top_p=inf"),
+    ({"id": "stop", "prompt_token_ids": [1, 2], "stop": 5}, "stop=5: must be a list"),
+    ({"id": "empty", "prompt": ""}, "'prompt' is an empty string"),
+    ('{"id": "surrogate", "prompt": "\\ud800"}', "not valid Unicode"),
     ({"id": 1.5, "prompt_token_ids": [3]}, "the id must be a string or an integer"),
     ({"custom_id": "oa", "url": "/v1/edits", "body": {}}, "unsupported url"),
 ]
@@ -268,7 +274,7 @@ def test_json_summary_is_one_object_on_stdout(tmp_path):
     summary = json.loads(result.stdout)  # the whole of stdout
     assert result.stdout.strip().count("\n") == 0
     types = {"input": str, "output": str, "output_format": str, "model": str, "rows_total": int, "rows_ok": int,
-             "rows_failed": int, "rows_skipped": int, "prompt_tokens": int, "cached_tokens": int,
+             "rows_failed": int, "rows_failed_before": int, "rows_skipped": int, "prompt_tokens": int, "cached_tokens": int,
              "completion_tokens": int, "prefix_hit_rate": float, "elapsed_s": float, "rows_per_s": float,
              "output_tok_s": float, "prefill_tok_s": float, "exit_code": int, "kv_cache": dict, "engine": dict}
     assert set(summary) == set(types)
