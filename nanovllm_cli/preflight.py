@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nanovllm_cli.readers import iter_rows
-from nanovllm_cli.rows import PROMPT_KEYS, is_openai_row, row_id
-from nanovllm_cli.writers import journal_path
+from nanovllm_cli.rows import PROMPT_KEYS, is_openai_row, row_fingerprint, row_id
+from nanovllm_cli.writers import Answered, journal_path
 
 SAMPLE_ROWS = 100  # a JSONL file without one object in its first SAMPLE_ROWS rows is not JSON Lines of rows
 
@@ -24,6 +24,7 @@ class InputScan:
     rows: int
     openai: bool  # the rows are OpenAI batch request lines
     duplicates: list[tuple[str, int, int]] = field(default_factory=list)  # (id, first number, later number)
+    fingerprints: dict[str, str] = field(default_factory=dict)  # id -> content hash of its row
 
 
 def _parquet_columns(path: Path) -> list[str]:
@@ -63,6 +64,7 @@ def scan_input(path: Path, fmt: str) -> InputScan:
                 scan.duplicates.append((rid, first_of[rid], number))
             else:
                 first_of[rid] = number
+                scan.fingerprints[rid] = row_fingerprint(value)
     except OSError as exc:
         raise PreflightError(f"cannot read {path}: {exc.strerror or exc}") from None
     if scan.rows and not seen_object:
@@ -113,6 +115,22 @@ def check_output(output: Path, input_path: Path, *, resume: bool, overwrite: boo
     if has_results and not resume and not overwrite:
         raise PreflightError(f"OUTPUT {output} already holds results: add --resume to answer only the rows it "
                              "lacks, or --overwrite to replace it")
+
+
+def stale_records(answered: Answered, fingerprints: dict[str, str]) -> set[str]:
+    """Ids of OUTPUT's records whose row changed since (another fingerprint) or is no longer in INPUT."""
+    return {rid for rid, old in answered.fingerprints.items()
+            if rid not in fingerprints or (old is not None and old != fingerprints[rid])}
+
+
+def stale_message(output: Path, answered: Answered, fingerprints: dict[str, str]) -> str:
+    stale = stale_records(answered, fingerprints)
+    removed = sorted(r for r in stale if r not in fingerprints)
+    changed = sorted(r for r in stale if r in fingerprints)
+    parts = [f"{len(ids)} {what} (e.g. {ids[0]!r})" for ids, what in (
+        (changed, "rows changed since they were answered"), (removed, "records answer rows no longer in INPUT")) if ids]
+    return (f"OUTPUT {output} does not match INPUT: {' and '.join(parts)}. Add --sync to rerun the changed rows and "
+            "drop the records of removed ones, or choose another OUTPUT")
 
 
 class OutputLockedError(PreflightError):

@@ -7,6 +7,7 @@ for OpenAI lines) override the command-line defaults.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import xxhash
@@ -91,6 +92,12 @@ def row_id(number: int, row: object) -> str:
         return _row_id(row.get("custom_id" if is_openai_row(row) else "id"), number)
     except RowProblem:
         return str(number)
+
+
+def row_fingerprint(row: object) -> str:
+    """A hash of a row's content (keys in any order): `--resume` reruns rows whose input changed."""
+    text = row.message if isinstance(row, InvalidJson) else json.dumps(row, sort_keys=True)
+    return xxhash.xxh64_hexdigest(text.encode("utf-8", "surrogatepass"))
 
 
 def _has_lone_surrogate(value: object) -> bool:

@@ -41,6 +41,9 @@ def run(
     retry_failed: Annotated[bool, typer.Option(
         "--retry-failed", help="With --resume (implied): also rerun the rows whose record in OUTPUT is an error, "
         "replacing those records.", rich_help_panel=IO)] = False,
+    sync: Annotated[bool, typer.Option(
+        "--sync", help="With --resume (implied): rerun the rows whose content changed since OUTPUT answered them and "
+        "drop the records of rows no longer in INPUT (without it, either is an error).", rich_help_panel=IO)] = False,
     overwrite: Annotated[bool, typer.Option(
         "--overwrite", help="Replace an OUTPUT that already holds results (without it, and without --resume, "
         "that is an error).", rich_help_panel=IO)] = False,
@@ -87,6 +90,9 @@ def run(
     per row; OpenAI batch output lines for OpenAI input. A bad row gets an error record naming the row and the
     problem, and every other row still runs.
 
+    **Resume**: --resume answers only the rows OUTPUT lacks. Each record holds a fingerprint of its row: a row
+    changed since, or a record of a row no longer in INPUT, is an error unless --sync reruns / drops them.
+
     **Before the model loads** INPUT is checked as a whole (readable, of its format, ids unique) and OUTPUT
     too (writable, not INPUT, not being written by another run: a lock is held for the whole job).
 
@@ -123,18 +129,18 @@ def run(
     except ValueError as exc:
         raise o.fail(f"invalid sampling option: {exc}") from None
     layout = RecordLayout(openai=scan.openai, include_token_ids=include_token_ids)
-    resume = resume or retry_failed
+    resume = resume or retry_failed or sync
     lock = OutputLock(output)
     try:
-        answered = prepare_output(output, input_path, layout, lock, resume=resume, retry_failed=retry_failed,
-                                  overwrite=overwrite)
+        answered = prepare_output(output, input_path, layout, lock, scan.fingerprints, resume=resume,
+                                  retry_failed=retry_failed, sync=sync, overwrite=overwrite)
         llm = o.load_llm(engine, seed)
         parser = RowParser(defaults, seed, label)
         rows = (parser.parse(number, row) for number, row in iter_rows(input_path, fmt))
         with llm:
             code, summary = run_job(llm, rows, scan.rows, layout, output, append=resume, skip_ids=answered.ids,
-                                    failed_before=len(answered.failed), window=window, reorder=reorder, quiet=quiet,
-                                    log_interval=log_interval)
+                                    failed_before=len(answered.failed), fingerprints=scan.fingerprints,
+                                    window=window, reorder=reorder, quiet=quiet, log_interval=log_interval)
     finally:
         lock.release()
     summary = {"input": str(input_path), **summary}
@@ -147,11 +153,19 @@ def run(
     raise typer.Exit(code)
 
 
-def prepare_output(output: Path, input_path: Path, layout: RecordLayout, lock: OutputLock, *, resume: bool,
-                   retry_failed: bool, overwrite: bool) -> Answered:
+def prepare_output(output: Path, input_path: Path, layout: RecordLayout, lock: OutputLock,
+                   fingerprints: dict[str, str], *, resume: bool, retry_failed: bool, sync: bool,
+                   overwrite: bool) -> Answered:
     """Lock OUTPUT and check it (see `preflight`); returns what earlier runs answered (with --resume), the
-    records of failed rows already dropped with --retry-failed."""
-    from nanovllm_cli.preflight import PreflightError, check_output, prepare_output_dir
+    records to answer again already dropped: failed rows' with --retry-failed, with --sync the records of rows
+    changed or removed since (without --sync those are an error)."""
+    from nanovllm_cli.preflight import (
+        PreflightError,
+        check_output,
+        prepare_output_dir,
+        stale_message,
+        stale_records,
+    )
     from nanovllm_cli.writers import Answered, OutputError, drop_records, resume_ids
 
     try:
@@ -159,9 +173,13 @@ def prepare_output(output: Path, input_path: Path, layout: RecordLayout, lock: O
         lock.acquire()
         check_output(output, input_path, resume=resume, overwrite=overwrite)
         answered = resume_ids(output, layout) if resume else Answered()
-        if retry_failed:
-            drop_records(output, layout, answered.failed)
-            answered = Answered(answered.ids - answered.failed)
+        retried = answered.failed if retry_failed else set()
+        kept = answered.without(retried)
+        stale = stale_records(kept, fingerprints)
+        if stale and not sync:
+            raise PreflightError(stale_message(output, kept, fingerprints))
+        drop_records(output, layout, retried | stale)
+        answered = kept.without(stale)
     except (PreflightError, OutputError) as exc:
         raise o.fail(str(exc)) from None
     except OSError as exc:
@@ -170,8 +188,8 @@ def prepare_output(output: Path, input_path: Path, layout: RecordLayout, lock: O
 
 
 def run_job(llm: LLM, rows: Iterable[RowRequest | RowError], rows_total: int, layout: RecordLayout, output: Path, *,
-            append: bool, skip_ids: set[str], failed_before: int, window: int, reorder: bool, quiet: bool,
-            log_interval: float) -> tuple[ExitCode, dict]:
+            append: bool, skip_ids: set[str], failed_before: int, fingerprints: dict[str, str], window: int,
+            reorder: bool, quiet: bool, log_interval: float) -> tuple[ExitCode, dict]:
     """Run every row into OUTPUT; returns the exit code and the summary. `failed_before`: error records of
     earlier runs that stay in OUTPUT."""
     from nanovllm_cli.display import ProgressDisplay
@@ -185,7 +203,7 @@ def run_job(llm: LLM, rows: Iterable[RowRequest | RowError], rows_total: int, la
         raise o.fail(f"cannot write {output}: {exc.strerror or exc}") from None
     stats = RunStats(rows_total=rows_total)
     display = ProgressDisplay(lambda: snapshot(stats, llm), quiet=quiet, log_interval=log_interval)
-    runner = BatchRunner(llm, writer, RecordBuilder(layout, llm.info.model), stats, window=window,
+    runner = BatchRunner(llm, writer, RecordBuilder(layout, llm.info.model, fingerprints), stats, window=window,
                          reorder=reorder, skip_ids=skip_ids, on_step=display.tick, on_error=display.row_error)
     code = ExitCode.OK
     previous_sigterm = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM ends it like Ctrl-C

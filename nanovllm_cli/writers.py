@@ -31,20 +31,27 @@ class OutputError(Exception):
 
 @dataclass
 class Answered:
-    """The ids OUTPUT has a record for, and of those the ids whose record is an error."""
+    """The ids OUTPUT has a record for, of those the ids whose record is an error, and the fingerprint of the
+    input row each record answered (None in records written before fingerprints were)."""
 
     ids: set[str] = field(default_factory=set)
     failed: set[str] = field(default_factory=set)
+    fingerprints: dict[str, str | None] = field(default_factory=dict)
 
-    def add(self, record_id: str, error: object) -> None:
+    def add(self, record_id: str, error: object, fingerprint: str | None) -> None:
         self.ids.add(record_id)
+        self.fingerprints[record_id] = fingerprint
         if error is not None:
             self.failed.add(record_id)
 
     def __ior__(self, other: Answered) -> Answered:
         self.ids |= other.ids
         self.failed |= other.failed
+        self.fingerprints.update(other.fingerprints)
         return self
+
+    def without(self, ids: set[str]) -> Answered:
+        return Answered(self.ids - ids, self.failed - ids, {k: v for k, v in self.fingerprints.items() if k not in ids})
 
 
 def journal_path(path: Path) -> Path:
@@ -74,7 +81,7 @@ def read_jsonl_ids(path: Path, id_key: str) -> Answered:
                 continue
             try:
                 record = json.loads(line)
-                ids.add(str(record[id_key]), record["error"])
+                ids.add(str(record[id_key]), record["error"], record.get("input_fingerprint"))
             except (ValueError, KeyError, TypeError):
                 raise OutputError(f"{path} line {number} is not a result record with {id_key!r}: it was not "
                                   "written by a job of this kind; choose another OUTPUT or drop --resume") from None
@@ -143,9 +150,9 @@ def read_parquet_ids(path: Path, layout: RecordLayout) -> Answered:
                               "--include-token-ids differs); choose another OUTPUT or drop --resume")
         if journal.exists() and _merged_marker(path) == _journal_marker(journal):
             journal.unlink()
-        for batch in pq.ParquetFile(path).iter_batches(columns=[layout.id_key, "error"]):
-            for record_id, error in zip(*(column.to_pylist() for column in batch.columns)):
-                ids.add(str(record_id), error)
+        for batch in pq.ParquetFile(path).iter_batches(columns=[layout.id_key, "error", "input_fingerprint"]):
+            for record_id, error, fingerprint in zip(*(column.to_pylist() for column in batch.columns)):
+                ids.add(str(record_id), error, fingerprint)
     ids |= read_jsonl_ids(journal, layout.id_key)
     return ids
 

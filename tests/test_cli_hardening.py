@@ -233,3 +233,26 @@ def test_progress_counts_tokens_generated_before_any_row_finishes():
     # 1 prefill step + 5 decode steps sampled 6 tokens; the counter leaves out the in-flight row's first one
     assert stats.rows_done == 0 and llm.report()["tokens"]["generated"] == 5
     assert snap.output_tok_s > 0 and snap.prefill_tok_s > 0
+
+
+# ---- resume by row content -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_resume_notices_changed_and_removed_rows(tmp_path, suffix):
+    path, out = write_jsonl(tmp_path / "in.jsonl", rows(5)), tmp_path / f"out{suffix}"
+    assert invoke(path, "-o", out).exit_code == 0
+    edited = rows(5)
+    edited[1]["prompt_token_ids"] = [7, 7, 7, 7]  # changed
+    del edited[3]  # removed
+    write_jsonl(path, [*edited, {"id": "new", "prompt_token_ids": [9]}])
+    result = invoke(path, "-o", out, "--resume", engine=UNLOADABLE)
+    assert result.exit_code == 2
+    assert "1 rows changed since they were answered (e.g. 'r1')" in result.stderr
+    assert "1 records answer rows no longer in INPUT (e.g. 'r3')" in result.stderr and "--sync" in result.stderr
+    result = invoke(path, "-o", out, "--sync", "--json")
+    assert result.exit_code == 0 and json.loads(result.stdout)["rows_skipped"] == 3
+    final = pq.read_table(out).to_pylist() if suffix == ".parquet" else records(out)
+    by_id = {r["id"]: r for r in final}
+    assert len(final) == len(by_id) == 5 and set(by_id) == {"r0", "r1", "r2", "r4", "new"}
+    assert by_id["r1"]["prompt_tokens"] == 4  # answered again, from the edited row
+    assert invoke(path, "-o", out, "--resume").exit_code == 0  # now in step: nothing to do

@@ -47,6 +47,7 @@ from nanovllm.distributed import (
 )
 from nanovllm.engine.model_runner import ModelRunner, StepHandle, StepInputs
 from nanovllm.engine.scheduler import ScheduledBatch
+from nanovllm.engine.spawn_guard import check_main_guard
 from nanovllm.engine.tp_step import pack, unpack
 from nanovllm.loaders import ResolvedModel
 
@@ -89,6 +90,7 @@ def start_workers(config: EngineConfig, resolved: ResolvedModel, max_model_len: 
         raise RuntimeError("torch.distributed is already initialised in this process; a tensor-parallel engine "
                            "makes its own process group")
     check_tp_split(resolved.hf_config, config.tensor_parallel_size, config.resolve_device())
+    check_main_guard()
     return TPWorkers(config, resolved, max_model_len)
 
 
