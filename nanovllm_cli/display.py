@@ -21,15 +21,21 @@ class Snapshot:
     rows_total: int
     rows_failed: int
     rows_per_s: float  # rows answered or failed by this run
-    output_tok_s: float
+    output_tok_s: float  # tokens generated per second, counted every step (not only those of finished rows)
     prefill_tok_s: float
     kv_cache_usage: float
     prefix_hit_rate: float
     elapsed_s: float
+    eta_s: float | None
 
-    @property
-    def eta_s(self) -> float | None:
-        return (self.rows_total - self.rows_done) / self.rows_per_s if self.rows_per_s > 0 else None
+
+def eta_seconds(rows_left: int, tokens_per_row: float | None, tokens_in_flight: int, tok_s: float) -> float | None:
+    """Time to generate what is left: the rows not finished at the mean length of the finished ones, less what
+    the rows in flight already generated, at the current token rate. It moves during long rows, where a rate of
+    finished rows stands still; unknown until a row has finished."""
+    if tokens_per_row is None or tok_s <= 0:
+        return None
+    return max(rows_left * tokens_per_row - tokens_in_flight, 0.0) / tok_s
 
     def figures(self) -> str:
         return (f"{self.rows_failed} failed | out {self.output_tok_s:,.1f} tok/s | prefill {self.prefill_tok_s:,.1f} "

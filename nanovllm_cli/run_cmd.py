@@ -235,14 +235,18 @@ def run_job(llm: LLM, rows: Iterable[RowRequest | RowError], rows_total: int, la
 
 
 def snapshot(stats: RunStats, llm: LLM) -> Snapshot:
-    from nanovllm_cli.display import Snapshot
+    from nanovllm_cli.display import Snapshot, eta_seconds
 
     report = llm.report()
     metrics = report["kv_cache"]
     elapsed = stats.elapsed_s
+    generated = report["tokens"]["generated"]
+    rows_done = stats.rows_done + stats.rows_skipped
+    eta = eta_seconds(stats.rows_total - rows_done, stats.completion_tokens / stats.rows_ok if stats.rows_ok else None,
+                      generated - stats.completion_tokens, generated / elapsed)
     return Snapshot(
-        rows_done=stats.rows_done + stats.rows_skipped, rows_total=stats.rows_total, rows_failed=stats.rows_failed,
-        rows_per_s=stats.rows_done / elapsed, output_tok_s=report["tokens"]["generated"] / elapsed,
+        rows_done=rows_done, rows_total=stats.rows_total, rows_failed=stats.rows_failed,
+        rows_per_s=stats.rows_done / elapsed, output_tok_s=generated / elapsed, eta_s=eta,
         prefill_tok_s=report["tokens"]["prefill"] / elapsed, kv_cache_usage=metrics["kv_cache_usage"],
         prefix_hit_rate=metrics["prefix_cache"]["hit_rate"], elapsed_s=elapsed)
 

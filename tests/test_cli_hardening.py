@@ -232,7 +232,17 @@ def test_progress_counts_tokens_generated_before_any_row_finishes():
     snap = snapshot(stats, llm)
     # 1 prefill step + 5 decode steps sampled 6 tokens; the counter leaves out the in-flight row's first one
     assert stats.rows_done == 0 and llm.report()["tokens"]["generated"] == 5
-    assert snap.output_tok_s > 0 and snap.prefill_tok_s > 0
+    assert snap.output_tok_s > 0 and snap.prefill_tok_s > 0 and snap.eta_s is None  # no row finished yet
+
+
+def test_eta_moves_while_long_rows_generate():
+    """Ten rows of ~100 tokens, one finished, three in flight: the estimate falls as the in-flight rows generate."""
+    from nanovllm_cli.display import eta_seconds
+
+    assert eta_seconds(9, 100.0, 0, 10.0) == 90.0
+    assert eta_seconds(9, 100.0, 150, 10.0) == 75.0
+    assert eta_seconds(1, 100.0, 500, 10.0) == 0.0  # longer than the mean: never negative
+    assert eta_seconds(9, None, 150, 10.0) is None
 
 
 # ---- resume by row content -----------------------------------------------------------------------------------------
