@@ -21,15 +21,21 @@ class Snapshot:
     rows_total: int
     rows_failed: int
     rows_per_s: float  # rows answered or failed by this run
-    output_tok_s: float
+    output_tok_s: float  # tokens generated per second, counted every step (not only those of finished rows)
     prefill_tok_s: float
     kv_cache_usage: float
     prefix_hit_rate: float
     elapsed_s: float
+    eta_s: float | None
 
-    @property
-    def eta_s(self) -> float | None:
-        return (self.rows_total - self.rows_done) / self.rows_per_s if self.rows_per_s > 0 else None
+
+def eta_seconds(rows_left: int, tokens_per_row: float | None, tokens_in_flight: int, tok_s: float) -> float | None:
+    """Time to generate what is left: the rows not finished at the mean length of the finished ones, less what
+    the rows in flight already generated, at the current token rate. It moves during long rows, where a rate of
+    finished rows stands still; unknown until a row has finished."""
+    if tokens_per_row is None or tok_s <= 0:
+        return None
+    return max(rows_left * tokens_per_row - tokens_in_flight, 0.0) / tok_s
 
     def figures(self) -> str:
         return (f"{self.rows_failed} failed | out {self.output_tok_s:,.1f} tok/s | prefill {self.prefill_tok_s:,.1f} "
@@ -48,7 +54,10 @@ def duration(seconds: float | None) -> str:
 class ProgressDisplay:
     """Call `tick()` often; it redraws at most 4 times a second (terminal) or every `log_interval` s (plain).
 
-    On a terminal: a bar (rows done / total, elapsed) over a line of live figures."""
+    On a terminal: a bar (rows done / total, elapsed) over a line of live figures. Row errors are printed
+    (quiet or not) up to `MAX_ROW_ERRORS`; OUTPUT has them all."""
+
+    MAX_ROW_ERRORS = 20
 
     def __init__(self, snapshot: Callable[[], Snapshot], *, quiet: bool, log_interval: float,
                  console: Console | None = None):
@@ -62,6 +71,7 @@ class ProgressDisplay:
         self.task = self.bar.add_task("rows", total=None)
         self.figures = Text()
         self.live: Live | None = None
+        self.row_errors = 0
 
     def __enter__(self):
         if not self.quiet and self.console.is_terminal:
@@ -74,6 +84,13 @@ class ProgressDisplay:
         self.tick(force=True)
         if self.live is not None:
             self.live.stop()
+
+    def row_error(self, message: str) -> None:
+        self.row_errors += 1
+        if self.row_errors <= self.MAX_ROW_ERRORS:
+            self.console.print(Text.assemble(("row error ", "red"), message), soft_wrap=True, highlight=False)
+        elif self.row_errors == self.MAX_ROW_ERRORS + 1:
+            self.console.print("more row errors: only in OUTPUT (their records' \"error\" field)")
 
     def tick(self, force: bool = False) -> None:
         now = time.monotonic()

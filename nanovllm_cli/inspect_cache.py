@@ -37,14 +37,16 @@ def inspect_cache(
     """
     from nanovllm import plan_kv_cache
     from nanovllm_cli.cache_analysis import CacheAnalysis
+    from nanovllm_cli.preflight import PreflightError, scan_input
     from nanovllm_cli.readers import detect_format
     from nanovllm_cli.rows import RowError, RowParser
     from nanovllm_cli.tokenize import tokenized_rows
 
     try:
         fmt = detect_format(input_path, input_format)
+        scan_input(input_path, fmt)
         plan = plan_kv_cache(engine.model, num_blocks, **engine.args())
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, PreflightError) as exc:
         raise o.fail(str(exc)) from None
 
     prompts, limit = plan.prompts, plan.max_model_len

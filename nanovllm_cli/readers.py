@@ -59,27 +59,3 @@ def iter_rows(path: Path, fmt: str) -> Iterator[tuple[int, object]]:
         for row in batch.to_pylist():
             number += 1
             yield number, _drop_nulls(row)
-
-
-def count_rows(path: Path, fmt: str) -> int:
-    """Rows in the input (for the progress bar): non-blank lines, or the Parquet metadata's count."""
-    if fmt == "parquet":
-        import pyarrow.parquet as pq
-
-        return pq.ParquetFile(path).metadata.num_rows
-    with open(path, "rb") as f:
-        return sum(1 for line in f if line.strip())
-
-
-def first_object(path: Path, fmt: str, limit: int = 100) -> dict | None:
-    """The first row that is a JSON object (within `limit` rows): it decides the output's layout."""
-    if fmt == "parquet":
-        import pyarrow.parquet as pq
-
-        return dict.fromkeys(pq.ParquetFile(path).schema_arrow.names)
-    for index, (_, value) in enumerate(iter_rows(path, fmt)):
-        if isinstance(value, dict):
-            return value
-        if index >= limit:
-            break
-    return None

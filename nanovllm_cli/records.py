@@ -4,20 +4,23 @@ Plain: {"id", "text", "finish_reason", "prompt_tokens", "completion_tokens", "ca
 (+ "prompt_token_ids", "token_ids" with --include-token-ids); a failed row has finish_reason "error".
 OpenAI: {"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}, where body is a
 chat.completion or text_completion object with "usage", or {"error": {...}} for a failed row.
+Both carry "input_fingerprint", the hash of the row they answer, so `--resume` can tell a changed row.
 """
 from __future__ import annotations
 
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from nanovllm import RequestOutput
 from nanovllm_cli.rows import RowError, RowRequest
 
-PLAIN_FIELDS = ("id", "text", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "error")
+PLAIN_FIELDS = ("id", "text", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "error",
+                "input_fingerprint")
 TOKEN_ID_FIELDS = ("prompt_token_ids", "token_ids")
-OPENAI_FIELDS = ("id", "custom_id", "response", "error")
+OPENAI_FIELDS = ("id", "custom_id", "response", "error", "input_fingerprint")
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,7 @@ def _random_id(prefix: str) -> str:
 class RecordBuilder:
     layout: RecordLayout
     model: str
+    fingerprints: Mapping[str, str] = field(default_factory=dict)  # row id -> its content hash
 
     def result(self, request: RowRequest, output: RequestOutput) -> dict:
         if output.error:
@@ -67,7 +71,8 @@ class RecordBuilder:
         if not self.layout.openai:
             record = {"id": request.id, "text": output.text, "finish_reason": output.finish_reason,
                       "prompt_tokens": output.num_prompt_tokens, "completion_tokens": completion,
-                      "cached_tokens": output.num_cached_tokens, "error": None}
+                      "cached_tokens": output.num_cached_tokens, "error": None,
+                      "input_fingerprint": self.fingerprints.get(request.id)}
             if self.layout.include_token_ids:
                 record.update(prompt_token_ids=output.prompt_token_ids, token_ids=output.token_ids)
             return record
@@ -90,13 +95,15 @@ class RecordBuilder:
                       "prompt_tokens_details": {"cached_tokens": output.num_cached_tokens}},
         }
         return {"id": _random_id("batch_req_"), "custom_id": request.id,
-                "response": {"status_code": 200, "request_id": _random_id("req_"), "body": body}, "error": None}
+                "response": {"status_code": 200, "request_id": _random_id("req_"), "body": body}, "error": None,
+                "input_fingerprint": self.fingerprints.get(request.id)}
 
     def error(self, error: RowError, prompt_tokens: int = 0, status_code: int = 400) -> dict:
         """400: the row is invalid; 500: the engine failed on a valid row."""
         if not self.layout.openai:
             record = {"id": error.id, "text": None, "finish_reason": "error", "prompt_tokens": prompt_tokens,
-                      "completion_tokens": 0, "cached_tokens": 0, "error": error.message}
+                      "completion_tokens": 0, "cached_tokens": 0, "error": error.message,
+                      "input_fingerprint": self.fingerprints.get(error.id)}
             if self.layout.include_token_ids:
                 record.update(prompt_token_ids=None, token_ids=None)
             return record
@@ -105,4 +112,4 @@ class RecordBuilder:
         body = {"error": {"message": error.message, "type": kind, "param": None, "code": code}}
         return {"id": _random_id("batch_req_"), "custom_id": error.id,
                 "response": {"status_code": status_code, "request_id": _random_id("req_"), "body": body},
-                "error": {"code": code, "message": error.message}}
+                "error": {"code": code, "message": error.message}, "input_fingerprint": self.fingerprints.get(error.id)}

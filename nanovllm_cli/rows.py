@@ -7,6 +7,7 @@ for OpenAI lines) override the command-line defaults.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import xxhash
@@ -16,7 +17,6 @@ from nanovllm_cli.readers import InvalidJson
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "seed",
                    "ignore_eos")
-_NUMBER_FIELDS = ("temperature", "top_p", "min_p")
 PROMPT_KEYS = {"prompt": "prompt", "messages": "messages", "prompt_token_ids": "token_ids"}
 OPENAI_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 # OpenAI body key -> SamplingParams field; max_completion_tokens comes after max_tokens, so it wins.
@@ -79,7 +79,40 @@ def _row_id(value: object, number: int) -> str:
         raise RowProblem(f"the id must be a string or an integer, not {_type_name(value)}")
     if value == "":
         raise RowProblem("the id is an empty string")
+    if _has_lone_surrogate(value):
+        raise RowProblem("the id is not valid Unicode")
     return str(value)
+
+
+def row_id(number: int, row: object) -> str:
+    """The id a row's records carry: its "id" ("custom_id" for OpenAI lines), else its line or row number."""
+    if not isinstance(row, dict):
+        return str(number)
+    try:
+        return _row_id(row.get("custom_id" if is_openai_row(row) else "id"), number)
+    except RowProblem:
+        return str(number)
+
+
+def row_fingerprint(row: object) -> str:
+    """A hash of a row's content (keys in any order): `--resume` reruns rows whose input changed."""
+    text = row.message if isinstance(row, InvalidJson) else json.dumps(row, sort_keys=True)
+    return xxhash.xxh64_hexdigest(text.encode("utf-8", "surrogatepass"))
+
+
+def _has_lone_surrogate(value: object) -> bool:
+    """JSON can spell text that is not Unicode ("\\ud800"): no tokenizer or output file can take it."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, dict):
+        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_has_lone_surrogate(v) for v in value)
+    return False
 
 
 def _message_text(content: object) -> object:
@@ -92,7 +125,9 @@ def _message_text(content: object) -> object:
 
 def _checked_payload(kind: str, payload: object, name: str) -> str | list:
     if kind == "prompt":
-        if not isinstance(payload, str) or not payload:
+        if payload == "":
+            raise RowProblem(f"'{name}' is an empty string")
+        if not isinstance(payload, str):
             raise RowProblem(f"'{name}' must be a non-empty string, not {_type_name(payload)}")
         return payload
     if kind == "messages":
@@ -178,6 +213,9 @@ class RowParser:
             row_id = _row_id(row.get("custom_id" if openai else "id"), number)
         except RowProblem as exc:
             return RowError(str(number), where, str(exc), endpoint)
+        if _has_lone_surrogate(row):
+            return RowError(row_id, where, "the row holds text that is not valid Unicode (a lone surrogate "
+                            "escape such as \\ud800)", endpoint)
         try:
             kind, payload, overrides = _openai_fields(row) if openai else _plain_fields(row)
             params = self._params(overrides, row_id)
@@ -187,15 +225,10 @@ class RowParser:
 
     def _params(self, overrides: dict, row_id: str) -> SamplingParams:
         values = {**self.defaults, **overrides}
-        for name in _NUMBER_FIELDS:
-            if isinstance(values.get(name), bool):
-                raise RowProblem(f"invalid sampling parameters: {name} must be a number, not a boolean")
-        if not isinstance(values.get("ignore_eos", False), bool):
-            raise RowProblem("invalid sampling parameters: ignore_eos must be true or false")
         try:
             params = SamplingParams(**values)
         except (TypeError, ValueError) as exc:
-            raise RowProblem(f"invalid sampling parameters: {exc}") from None
+            raise RowProblem(f"invalid sampling parameters: {str(exc).removeprefix('SamplingParams.')}") from None
         if params.seed is None:
             params.seed = derive_seed(self.base_seed, row_id)
         return params

@@ -17,9 +17,11 @@ from nanovllm_cli.options import EngineOptions, ExitCode, with_engine_options
 if TYPE_CHECKING:  # the engine imports torch: not needed for `--help`
     from nanovllm import LLM
     from nanovllm_cli.display import Snapshot
+    from nanovllm_cli.preflight import OutputLock
     from nanovllm_cli.records import RecordLayout
     from nanovllm_cli.rows import RowError, RowRequest
     from nanovllm_cli.runner import RunStats
+    from nanovllm_cli.writers import Answered
 
 IO = "Input and output"
 
@@ -34,8 +36,17 @@ def run(
     input_format: Annotated[str | None, typer.Option(
         help="jsonl | parquet (default: from the suffix).", rich_help_panel=IO)] = None,
     resume: Annotated[bool, typer.Option(
-        "--resume", help="Skip the ids already in OUTPUT (cutting a torn last line) and add the rest. "
-        "Without it OUTPUT is replaced.", rich_help_panel=IO)] = False,
+        "--resume", help="Skip the ids already in OUTPUT (cutting a torn last line) and add the rest.",
+        rich_help_panel=IO)] = False,
+    retry_failed: Annotated[bool, typer.Option(
+        "--retry-failed", help="With --resume (implied): also rerun the rows whose record in OUTPUT is an error, "
+        "replacing those records.", rich_help_panel=IO)] = False,
+    sync: Annotated[bool, typer.Option(
+        "--sync", help="With --resume (implied): rerun the rows whose content changed since OUTPUT answered them and "
+        "drop the records of rows no longer in INPUT (without it, either is an error).", rich_help_panel=IO)] = False,
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite", help="Replace an OUTPUT that already holds results (without it, and without --resume, "
+        "that is an error).", rich_help_panel=IO)] = False,
     include_token_ids: Annotated[bool, typer.Option(
         "--include-token-ids", help="Add prompt_token_ids and token_ids to each result.",
         rich_help_panel=IO)] = False,
@@ -79,45 +90,59 @@ def run(
     per row; OpenAI batch output lines for OpenAI input. A bad row gets an error record naming the row and the
     problem, and every other row still runs.
 
-    **Exit codes**: 0 every row succeeded; 1 some rows failed (their error records are written, every other row
-    answered); 2 usage error (nothing run); 3 internal error mid-job; 130 interrupted. After 3 or 130, or a
-    kill, run again with --resume.
+    **Resume**: --resume answers only the rows OUTPUT lacks. Each record holds a fingerprint of its row: a row
+    changed since, or a record of a row no longer in INPUT, is an error unless --sync reruns / drops them.
+
+    **Before the model loads** INPUT is checked as a whole (readable, of its format, ids unique) and OUTPUT
+    too (writable, not INPUT, not being written by another run: a lock is held for the whole job).
+
+    **Exit codes**: 0 every row of OUTPUT succeeded; 1 OUTPUT holds error records (this run's, or earlier ones
+    --resume kept: --retry-failed reruns them), every other row answered; 2 usage error (nothing run); 3 internal
+    error mid-job; 130 interrupted. After 3 or 130, or a kill, run again with --resume.
     """
     from nanovllm import SamplingParams
-    from nanovllm_cli.readers import count_rows, detect_format, first_object, iter_rows
+    from nanovllm_cli.preflight import OutputLock, PreflightError, duplicates_message, scan_input
+    from nanovllm_cli.readers import detect_format, iter_rows
     from nanovllm_cli.records import RecordLayout
-    from nanovllm_cli.rows import RowParser, is_openai_row
-    from nanovllm_cli.writers import OutputError, resume_ids
+    from nanovllm_cli.rows import RowParser
 
     output = output or input_path.with_name(f"{input_path.stem}.results.jsonl")
     if output.suffix.lower() not in (".jsonl", ".parquet"):
         raise o.fail(f"OUTPUT must end in .jsonl or .parquet, not {output.name!r}")
-    if output.resolve() == input_path.resolve():
-        raise o.fail("OUTPUT must not be INPUT")
     try:
         fmt = detect_format(input_path, input_format)
-        layout = RecordLayout(openai=is_openai_row(first_object(input_path, fmt)),
-                              include_token_ids=include_token_ids)
-        rows_total = count_rows(input_path, fmt)
-    except (ValueError, OSError) as exc:
+        scan = scan_input(input_path, fmt)
+    except ValueError as exc:
         raise o.fail(f"cannot read {input_path}: {exc}") from None
+    except PreflightError as exc:
+        raise o.fail(str(exc)) from None
+    label = "row" if fmt == "parquet" else "line"
+    if scan.duplicates:
+        raise o.fail(duplicates_message(scan, label))
+    if scan.rows == 0:
+        typer.echo(f"{input_path} has no rows: nothing to do", err=True)
+        raise typer.Exit(ExitCode.OK)
     defaults = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
                 "min_p": min_p, "stop": stop or [], "ignore_eos": ignore_eos}
     try:
         SamplingParams(**defaults)
     except ValueError as exc:
         raise o.fail(f"invalid sampling option: {exc}") from None
+    layout = RecordLayout(openai=scan.openai, include_token_ids=include_token_ids)
+    resume = resume or retry_failed or sync
+    lock = OutputLock(output)
     try:
-        done_ids = resume_ids(output, layout) if resume else set()
-    except (OutputError, OSError) as exc:
-        raise o.fail(str(exc)) from None
-
-    llm = o.load_llm(engine, seed)
-    parser = RowParser(defaults, seed, "row" if fmt == "parquet" else "line")
-    rows = (parser.parse(number, row) for number, row in iter_rows(input_path, fmt))
-    with llm:
-        code, summary = run_job(llm, rows, rows_total, layout, output, append=resume, skip_ids=done_ids,
-                                window=window, reorder=reorder, quiet=quiet, log_interval=log_interval)
+        answered = prepare_output(output, input_path, layout, lock, scan.fingerprints, resume=resume,
+                                  retry_failed=retry_failed, sync=sync, overwrite=overwrite)
+        llm = o.load_llm(engine, seed)
+        parser = RowParser(defaults, seed, label)
+        rows = (parser.parse(number, row) for number, row in iter_rows(input_path, fmt))
+        with llm:
+            code, summary = run_job(llm, rows, scan.rows, layout, output, append=resume, skip_ids=answered.ids,
+                                    failed_before=len(answered.failed), fingerprints=scan.fingerprints,
+                                    window=window, reorder=reorder, quiet=quiet, log_interval=log_interval)
+    finally:
+        lock.release()
     summary = {"input": str(input_path), **summary}
     if not quiet:
         from nanovllm_cli.display import print_summary
@@ -128,24 +153,58 @@ def run(
     raise typer.Exit(code)
 
 
+def prepare_output(output: Path, input_path: Path, layout: RecordLayout, lock: OutputLock,
+                   fingerprints: dict[str, str], *, resume: bool, retry_failed: bool, sync: bool,
+                   overwrite: bool) -> Answered:
+    """Lock OUTPUT and check it (see `preflight`); returns what earlier runs answered (with --resume), the
+    records to answer again already dropped: failed rows' with --retry-failed, with --sync the records of rows
+    changed or removed since (without --sync those are an error)."""
+    from nanovllm_cli.preflight import (
+        PreflightError,
+        check_output,
+        prepare_output_dir,
+        stale_message,
+        stale_records,
+    )
+    from nanovllm_cli.writers import Answered, OutputError, drop_records, resume_ids
+
+    try:
+        prepare_output_dir(output)
+        lock.acquire()
+        check_output(output, input_path, resume=resume, overwrite=overwrite)
+        answered = resume_ids(output, layout) if resume else Answered()
+        retried = answered.failed if retry_failed else set()
+        kept = answered.without(retried)
+        stale = stale_records(kept, fingerprints)
+        if stale and not sync:
+            raise PreflightError(stale_message(output, kept, fingerprints))
+        drop_records(output, layout, retried | stale)
+        answered = kept.without(stale)
+    except (PreflightError, OutputError) as exc:
+        raise o.fail(str(exc)) from None
+    except OSError as exc:
+        raise o.fail(f"cannot use {output}: {exc.strerror or exc}") from None
+    return answered
+
+
 def run_job(llm: LLM, rows: Iterable[RowRequest | RowError], rows_total: int, layout: RecordLayout, output: Path, *,
-            append: bool, skip_ids: set[str], window: int, reorder: bool, quiet: bool,
-            log_interval: float) -> tuple[ExitCode, dict]:
-    """Run every row into OUTPUT; returns the exit code and the summary."""
+            append: bool, skip_ids: set[str], failed_before: int, fingerprints: dict[str, str], window: int,
+            reorder: bool, quiet: bool, log_interval: float) -> tuple[ExitCode, dict]:
+    """Run every row into OUTPUT; returns the exit code and the summary. `failed_before`: error records of
+    earlier runs that stay in OUTPUT."""
     from nanovllm_cli.display import ProgressDisplay
     from nanovllm_cli.records import RecordBuilder
-    from nanovllm_cli.runner import BatchRunner, RunStats
+    from nanovllm_cli.runner import BatchRunner, EngineStepError, RunStats
     from nanovllm_cli.writers import open_writer
 
     try:
-        output.parent.mkdir(parents=True, exist_ok=True)
         writer = open_writer(output, layout, append)
     except OSError as exc:
-        raise o.fail(f"cannot write {output}: {exc}") from None
+        raise o.fail(f"cannot write {output}: {exc.strerror or exc}") from None
     stats = RunStats(rows_total=rows_total)
     display = ProgressDisplay(lambda: snapshot(stats, llm), quiet=quiet, log_interval=log_interval)
-    runner = BatchRunner(llm, writer, RecordBuilder(layout, llm.info.model), stats, window=window,
-                         reorder=reorder, skip_ids=skip_ids, on_step=display.tick)
+    runner = BatchRunner(llm, writer, RecordBuilder(layout, llm.info.model, fingerprints), stats, window=window,
+                         reorder=reorder, skip_ids=skip_ids, on_step=display.tick, on_error=display.row_error)
     code = ExitCode.OK
     previous_sigterm = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM ends it like Ctrl-C
     try:
@@ -153,6 +212,9 @@ def run_job(llm: LLM, rows: Iterable[RowRequest | RowError], rows_total: int, la
             runner.run(rows)
     except KeyboardInterrupt:
         code = ExitCode.INTERRUPTED
+    except EngineStepError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        code = ExitCode.INTERNAL
     except Exception:  # noqa: BLE001 (a bug or an engine failure: keep what is written, say how to go on)
         traceback.print_exc()
         code = ExitCode.INTERNAL
@@ -164,24 +226,28 @@ def run_job(llm: LLM, rows: Iterable[RowRequest | RowError], rows_total: int, la
     except Exception:  # noqa: BLE001 (e.g. a full disk while merging Parquet: the journal stays for --resume)
         traceback.print_exc()
         code = ExitCode.INTERNAL
-    if code == ExitCode.OK and stats.rows_failed:
+    if code == ExitCode.OK and (stats.rows_failed or failed_before):
         code = ExitCode.ROWS_FAILED
     if code in (ExitCode.INTERRUPTED, ExitCode.INTERNAL):
         typer.echo(f"stopped after {stats.rows_done} rows, all written to {output}; run again with --resume "
                    "to finish", err=True)
-    return code, build_summary(stats, llm, output, layout, code)
+    return code, {**build_summary(stats, llm, output, layout, code), "rows_failed_before": failed_before}
 
 
 def snapshot(stats: RunStats, llm: LLM) -> Snapshot:
-    from nanovllm_cli.display import Snapshot
+    from nanovllm_cli.display import Snapshot, eta_seconds
 
     report = llm.report()
     metrics = report["kv_cache"]
     elapsed = stats.elapsed_s
+    generated = report["tokens"]["generated"]
+    rows_done = stats.rows_done + stats.rows_skipped
+    eta = eta_seconds(stats.rows_total - rows_done, stats.completion_tokens / stats.rows_ok if stats.rows_ok else None,
+                      generated - stats.completion_tokens, generated / elapsed)
     return Snapshot(
-        rows_done=stats.rows_done + stats.rows_skipped, rows_total=stats.rows_total, rows_failed=stats.rows_failed,
-        rows_per_s=stats.rows_done / elapsed, output_tok_s=stats.completion_tokens / elapsed,
-        prefill_tok_s=report["steps"]["prefill_tok_s"] or 0.0, kv_cache_usage=metrics["kv_cache_usage"],
+        rows_done=rows_done, rows_total=stats.rows_total, rows_failed=stats.rows_failed,
+        rows_per_s=stats.rows_done / elapsed, output_tok_s=generated / elapsed, eta_s=eta,
+        prefill_tok_s=report["tokens"]["prefill"] / elapsed, kv_cache_usage=metrics["kv_cache_usage"],
         prefix_hit_rate=metrics["prefix_cache"]["hit_rate"], elapsed_s=elapsed)
 
 

@@ -47,9 +47,14 @@ class RunStats:
         self.completion_tokens += len(output.token_ids)
 
 
+class EngineStepError(Exception):
+    """The engine failed in a step: the rows in it have error records; the engine cannot be trusted any more."""
+
+
 class BatchRunner:
     def __init__(self, llm: LLM, writer: Writer, records: RecordBuilder, stats: RunStats, *, window: int,
-                 reorder: bool, skip_ids: set[str], on_step: Callable[[], None]):
+                 reorder: bool, skip_ids: set[str], on_step: Callable[[], None],
+                 on_error: Callable[[str], None] = lambda message: None):
         self.llm = llm
         self.writer = writer
         self.records = records
@@ -58,6 +63,7 @@ class BatchRunner:
         self.reorder = reorder
         self.skip_ids = skip_ids
         self.on_step = on_step
+        self.on_error = on_error  # a row's error message, as its record is written
         info = llm.info
         self.max_in_flight = info.max_num_seqs
         self.block_size = info.block_size
@@ -78,12 +84,23 @@ class BatchRunner:
                 if exhausted and not groups:
                     return
                 continue
-            for output in self.llm.step():
+            for output in self._step():
                 self._write_result(self.in_flight.pop(output.request_id), output)
             if self.in_flight and not self.llm.has_unfinished_requests():
                 self._fail_lost_requests()
             self.writer.sync_if_due()
             self.on_step()
+
+    def _step(self) -> list[RequestOutput]:
+        try:
+            return self.llm.step()
+        except Exception as exc:  # noqa: BLE001 (whatever it was, the rows in flight get records saying so)
+            failed = list(self.in_flight.values())
+            self._fail_in_flight(f"the engine failed while running this row (with {len(failed)} rows in its "
+                                 f"step): {type(exc).__name__}: {exc}")
+            names = ", ".join(f"{r.where} (id {r.id!r})" for r in failed[:5]) + (" ..." if len(failed) > 5 else "")
+            raise EngineStepError(f"the engine failed in a step running {names}: {type(exc).__name__}: {exc}; "
+                                  "those rows have error records (rerun them with --retry-failed)") from exc
 
     def _read_window(self, rows: Iterator[RowRequest | RowError]) -> tuple[list[RowRequest], bool]:
         """Up to `window` tokenized rows; skipped and bad rows are dealt with on the way. True: input exhausted."""
@@ -131,19 +148,24 @@ class BatchRunner:
     def _write_result(self, request: RowRequest, output: RequestOutput) -> None:
         self.writer.write(self.records.result(request, output))
         if output.error:
-            self.stats.rows_failed += 1
+            self._count_failure(f"{request.where}: {output.error}")
         else:
             self.stats.add_result(output)
 
-    def _write_error(self, error: RowError, prompt_tokens: int = 0) -> None:
-        self.writer.write(self.records.error(error, prompt_tokens))
+    def _write_error(self, error: RowError, prompt_tokens: int = 0, status_code: int = 400) -> None:
+        self.writer.write(self.records.error(error, prompt_tokens, status_code))
+        self._count_failure(error.message)
+
+    def _count_failure(self, message: str) -> None:
         self.stats.rows_failed += 1
+        self.on_error(message)
+
+    def _fail_in_flight(self, problem: str) -> None:
+        for request in self.in_flight.values():
+            self._write_error(RowError(request.id, request.where, problem, request.endpoint),
+                              len(request.token_ids), status_code=500)
+        self.in_flight.clear()
 
     def _fail_lost_requests(self) -> None:
         """The engine is idle yet requests are unanswered: answer them with errors rather than wait forever."""
-        for request in self.in_flight.values():
-            self.writer.write(self.records.error(
-                RowError(request.id, request.where, "the engine returned no result", request.endpoint),
-                len(request.token_ids), status_code=500))
-            self.stats.rows_failed += 1
-        self.in_flight.clear()
+        self._fail_in_flight("the engine returned no result")

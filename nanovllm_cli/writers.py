@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import xxhash
@@ -28,6 +29,31 @@ class OutputError(Exception):
     """OUTPUT cannot be resumed as it is (the user must choose another file or fix this one)."""
 
 
+@dataclass
+class Answered:
+    """The ids OUTPUT has a record for, of those the ids whose record is an error, and the fingerprint of the
+    input row each record answered (None in records written before fingerprints were)."""
+
+    ids: set[str] = field(default_factory=set)
+    failed: set[str] = field(default_factory=set)
+    fingerprints: dict[str, str | None] = field(default_factory=dict)
+
+    def add(self, record_id: str, error: object, fingerprint: str | None) -> None:
+        self.ids.add(record_id)
+        self.fingerprints[record_id] = fingerprint
+        if error is not None:
+            self.failed.add(record_id)
+
+    def __ior__(self, other: Answered) -> Answered:
+        self.ids |= other.ids
+        self.failed |= other.failed
+        self.fingerprints.update(other.fingerprints)
+        return self
+
+    def without(self, ids: set[str]) -> Answered:
+        return Answered(self.ids - ids, self.failed - ids, {k: v for k, v in self.fingerprints.items() if k not in ids})
+
+
 def journal_path(path: Path) -> Path:
     return path.with_name(path.name + ".journal.jsonl")
 
@@ -40,9 +66,9 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def read_jsonl_ids(path: Path, id_key: str) -> set[str]:
+def read_jsonl_ids(path: Path, id_key: str) -> Answered:
     """Ids of the records of a JSONL output, after cutting a torn last line (one without its newline)."""
-    ids: set[str] = set()
+    ids = Answered()
     if not path.exists():
         return ids
     with open(path, "rb+") as f:
@@ -54,7 +80,8 @@ def read_jsonl_ids(path: Path, id_key: str) -> set[str]:
             if not line.strip():
                 continue
             try:
-                ids.add(str(json.loads(line)[id_key]))
+                record = json.loads(line)
+                ids.add(str(record[id_key]), record["error"], record.get("input_fingerprint"))
             except (ValueError, KeyError, TypeError):
                 raise OutputError(f"{path} line {number} is not a result record with {id_key!r}: it was not "
                                   "written by a job of this kind; choose another OUTPUT or drop --resume") from None
@@ -110,12 +137,12 @@ def _merged_marker(path: Path) -> str | None:
     return marker.decode() if marker else None
 
 
-def read_parquet_ids(path: Path, layout: RecordLayout) -> set[str]:
+def read_parquet_ids(path: Path, layout: RecordLayout) -> Answered:
     """Ids in a Parquet OUTPUT and its journal; drops a journal that is already merged into OUTPUT."""
     import pyarrow.parquet as pq
 
     journal = journal_path(path)
-    ids: set[str] = set()
+    ids = Answered()
     if path.exists():
         schema = pq.read_schema(path)
         if not schema.remove_metadata().equals(layout.arrow_schema()):
@@ -123,9 +150,11 @@ def read_parquet_ids(path: Path, layout: RecordLayout) -> set[str]:
                               "--include-token-ids differs); choose another OUTPUT or drop --resume")
         if journal.exists() and _merged_marker(path) == _journal_marker(journal):
             journal.unlink()
-        for batch in pq.ParquetFile(path).iter_batches(columns=[layout.id_key]):
-            ids.update(str(v) for v in batch.column(0).to_pylist())
-    return ids | read_jsonl_ids(journal, layout.id_key)
+        for batch in pq.ParquetFile(path).iter_batches(columns=[layout.id_key, "error", "input_fingerprint"]):
+            for record_id, error, fingerprint in zip(*(column.to_pylist() for column in batch.columns)):
+                ids.add(str(record_id), error, fingerprint)
+    ids |= read_jsonl_ids(journal, layout.id_key)
+    return ids
 
 
 class ParquetWriter:
@@ -171,10 +200,7 @@ class ParquetWriter:
                         rows.clear()
             if rows:
                 out.write_table(pa.Table.from_pylist(rows, schema=marked))
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
-        _fsync_dir(self.path)
+        _replace_durably(tmp, self.path)
         self.journal.path.unlink()
 
 
@@ -185,9 +211,52 @@ def is_parquet(path: Path) -> bool:
     return path.suffix.lower() == ".parquet"
 
 
-def resume_ids(path: Path, layout: RecordLayout) -> set[str]:
+def resume_ids(path: Path, layout: RecordLayout) -> Answered:
     """Ids already written to OUTPUT by earlier runs of the job (repairing what a kill left behind)."""
     return read_parquet_ids(path, layout) if is_parquet(path) else read_jsonl_ids(path, layout.id_key)
+
+
+def _replace_durably(tmp: Path, path: Path) -> None:
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path)
+
+
+def _drop_jsonl_records(path: Path, id_key: str, ids: set[str]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(path, "rb") as src, open(tmp, "wb") as dst:
+        for line in src:
+            if line.strip() and str(json.loads(line)[id_key]) not in ids:
+                dst.write(line)
+    _replace_durably(tmp, path)
+
+
+def _drop_parquet_records(path: Path, id_key: str, ids: set[str]) -> None:
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    source = pq.ParquetFile(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with pq.ParquetWriter(tmp, source.schema_arrow) as out:
+        for batch in source.iter_batches():
+            keep = pc.invert(pc.is_in(pc.cast(batch.column(id_key), pa.string()), pa.array(sorted(ids), pa.string())))
+            out.write_table(pa.Table.from_batches([batch.filter(keep)], source.schema_arrow))
+    _replace_durably(tmp, path)
+
+
+def drop_records(path: Path, layout: RecordLayout, ids: set[str]) -> None:
+    """Remove the records of `ids` from OUTPUT (and a Parquet OUTPUT's journal), each file replaced atomically.
+    Call after `resume_ids`, which repairs what a kill left behind."""
+    if not ids:
+        return
+    if is_parquet(path):
+        if path.exists():
+            _drop_parquet_records(path, layout.id_key, ids)
+        path = journal_path(path)
+    if path.exists():
+        _drop_jsonl_records(path, layout.id_key, ids)
 
 
 def open_writer(path: Path, layout: RecordLayout, append: bool) -> Writer:

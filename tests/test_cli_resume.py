@@ -92,7 +92,7 @@ def test_journal_left_by_a_crash_after_the_merge_is_not_merged_twice(tmp_path, m
         writer.close()
     monkeypatch.undo()
     assert writers.journal_path(out).exists() and len(records(out)) == 3
-    assert writers.resume_ids(out, layout) == {"r0", "r1", "r2"}
+    assert writers.resume_ids(out, layout).ids == {"r0", "r1", "r2"}
     assert not writers.journal_path(out).exists()  # recognised as merged
     writer = writers.open_writer(out, layout, append=True)
     writer.write({"id": "r3", **record})
@@ -113,10 +113,10 @@ def test_resume_refuses_an_output_of_another_kind(tmp_path):
     assert result.exit_code == 2 and "other columns" in result.stderr
 
 
-def start_job(path, out):
+def start_job(path, out, *extra):
     """A job slowed down to two rows at a time, so that it is still running when it is stopped."""
     return subprocess.Popen([str(NANOVLLM), "run", str(path), "-o", str(out), *ENGINE_ARGS, "--max-num-seqs", "2",
-                             "--quiet"],
+                             "--quiet", *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -159,3 +159,31 @@ def test_sigterm_stops_cleanly_with_exit_130(tmp_path):
     assert written.endswith("\n") and 4 <= written.count("\n") < n  # every written record is whole
     assert invoke(path, "-o", out, "--resume").exit_code == 0
     assert_exactly_once(out, n)
+
+
+def test_kills_at_several_points_with_an_edited_input_leave_every_row_answered_once(tmp_path):
+    """kill -9, edit the input (a changed row, a removed row, new rows), kill -9 again mid --sync, then finish:
+    every current row is answered exactly once, the changed one from its new content (the lock a killed job
+    leaves behind is no obstacle: the OS released it with the process)."""
+    path, out = write_rows(tmp_path / "in.jsonl", 30), tmp_path / "out.jsonl"
+    proc = start_job(path, out)
+    wait_for_records(proc, out, 6)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    answered = [json.loads(line)["id"] for line in out.read_text().splitlines() if line.endswith("}")]
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    changed, removed = answered[0], answered[1]
+    for row in rows:
+        if row["id"] == changed:
+            row["prompt_token_ids"] = [11] * 9
+    rows = [r for r in rows if r["id"] != removed] + [{"id": f"new{i}", "prompt_token_ids": [i + 1]} for i in range(4)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    proc = start_job(path, out, "--sync")
+    wait_for_records(proc, out, len(answered) + 4)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    assert invoke(path, "-o", out, "--resume").exit_code == 0
+    final = records(out)
+    assert sorted(r["id"] for r in final) == sorted(r["id"] for r in rows)
+    assert all(r["error"] is None and r["completion_tokens"] == 6 for r in final)
+    assert next(r for r in final if r["id"] == changed)["prompt_tokens"] == 9

@@ -7,7 +7,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from nanovllm_cli.admission import admission_groups
-from nanovllm_cli.readers import InvalidJson, count_rows, detect_format, iter_rows
+from nanovllm_cli.preflight import scan_input
+from nanovllm_cli.readers import InvalidJson, detect_format, iter_rows
 from nanovllm_cli.rows import RowError, RowParser, RowRequest, derive_seed
 
 DEFAULTS = {"max_tokens": 8, "temperature": 0.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "stop": [],
@@ -63,18 +64,27 @@ def test_sampling_overrides():
     ({"id": "a"}, "a", "none of 'prompt', 'messages', 'prompt_token_ids'"),
     ({"id": "a", "prompt": "x", "messages": CHAT}, "a", "more than one of"),
     ({"id": "a", "prompt": 5}, "a", "'prompt' must be a non-empty string, not an integer"),
-    ({"id": "a", "prompt": ""}, "a", "'prompt' must be a non-empty string"),
+    ({"id": "a", "prompt": ""}, "a", "'prompt' is an empty string"),
     ({"id": "a", "messages": "hi"}, "a", "'messages' must be a non-empty array"),
     ({"id": "a", "messages": [{"role": "user"}]}, "a", "'messages'[0] must be an object with a string 'role'"),
     ({"id": "a", "prompt_token_ids": [1, "2"]}, "a", "array of integer token ids"),
     ({"id": "a", "prompt_token_ids": []}, "a", "array of integer token ids"),
     ({"id": True, "prompt": "x"}, "7", "the id must be a string or an integer, not a boolean"),
     ({"id": "", "prompt": "x"}, "7", "empty string"),
-    ({"id": "a", "prompt": "x", "temperature": -1}, "a", "invalid sampling parameters: SamplingParams.temperature"),
+    ({"id": "a", "prompt": "x", "temperature": -1}, "a", "invalid sampling parameters: temperature=-1"),
     ({"id": "a", "prompt": "x", "max_tokens": "9"}, "a", "invalid sampling parameters"),
-    ({"id": "a", "prompt": "x", "temperature": True}, "a", "temperature must be a number"),
-    ({"id": "a", "prompt": "x", "ignore_eos": "yes"}, "a", "ignore_eos must be true or false"),
-    ({"id": "a", "prompt": "x", "stop": 5}, "a", "invalid sampling parameters"),
+    ({"id": "a", "prompt": "x", "temperature": True}, "a", "temperature=True: must be a finite number"),
+    ({"id": "a", "prompt": "x", "ignore_eos": "yes"}, "a", "ignore_eos='yes': must be True or False"),
+    ({"id": "a", "prompt": "x", "stop": 5}, "a", "invalid sampling parameters: stop=5: must be a list"),
+    ({"id": "a", "prompt": "x", "seed": 2**63}, "a", "seed=9223372036854775808: must be an integer in"),
+    ({"id": "a", "prompt": "x", "top_k": -2**63 - 1}, "a", "top_k="),
+    ({"id": "a", "prompt": "x", "max_tokens": 2**63}, "a", "max_tokens="),
+    ({"id": "a", "prompt": "x", "stop_token_ids": [2**63]}, "a", "stop_token_ids="),
+    ({"id": "a", "prompt": "x", "temperature": float("nan")}, "a", "temperature=nan"),
+    ({"id": "a", "prompt": "x", "min_p": float("-inf")}, "a", "min_p=-inf"),
+    ({"id": "a", "prompt": "x", "temperature": 1e39}, "a", "temperature=1e+39"),
+    ({"id": "a", "prompt": "\ud800"}, "a", "not valid Unicode"),
+    ({"id": "\udc00", "prompt": "x"}, "7", "the id is not valid Unicode"),
     ({"id": "a", "prompt": "x", "sampling_params": {"beam": 2}}, "a", "unknown sampling parameter(s) beam"),
     ({"id": "a", "prompt": "x", "sampling_params": 3}, "a", "'sampling_params' must be an object"),
     ({"custom_id": "a", "url": "/v1/embeddings", "body": {}}, "a", "unsupported url '/v1/embeddings'"),
@@ -100,7 +110,7 @@ def test_jsonl_reader_skips_blank_lines_but_keeps_line_numbers(tmp_path):
     rows = list(iter_rows(path, "jsonl"))
     assert [n for n, _ in rows] == [1, 4, 5, 6]
     assert isinstance(rows[1][1], InvalidJson) and rows[2][1] == [1] and rows[3][1] == {"prompt": "b"}
-    assert count_rows(path, "jsonl") == 4
+    assert scan_input(path, "jsonl").rows == 4
 
 
 def test_parquet_reader_drops_nulls_of_absent_fields(tmp_path):
@@ -108,7 +118,7 @@ def test_parquet_reader_drops_nulls_of_absent_fields(tmp_path):
     path = tmp_path / "in.parquet"
     pq.write_table(pa.Table.from_pylist(rows), path)
     assert list(iter_rows(path, "parquet")) == [(1, {"id": "a", "prompt": "x"}), (2, {"messages": CHAT})]
-    assert count_rows(path, "parquet") == 2
+    assert scan_input(path, "parquet").rows == 2
     assert parse(dict(iter_rows(path, "parquet"))[2], number=2, label="row").id == "2"
 
 

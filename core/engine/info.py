@@ -82,5 +82,9 @@ def engine_info(llm: LLM) -> EngineInfo:
 
 
 def engine_report(llm: LLM) -> dict:
-    """The step statistics since the start or `reset_stats` and the KV-cache metrics, in one dict."""
-    return {"steps": llm.get_stats(), "kv_cache": llm.get_metrics()}
+    """The step statistics since the start or `reset_stats`, the KV-cache metrics, and token counters that
+    move every step (finished requests alone say nothing of progress inside long ones)."""
+    stats = llm.stats
+    # Every decode token yields one output token; a request's first output token comes from its prefill.
+    tokens = {"prefill": stats.prefill_tokens, "generated": stats.decode_tokens + stats.requests}
+    return {"steps": llm.get_stats(), "kv_cache": llm.get_metrics(), "tokens": tokens}

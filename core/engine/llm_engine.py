@@ -99,6 +99,7 @@ class LLM:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling params must be a SamplingParams")
+        params.validate()  # again: fields may have been changed since construction
         token_ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
         if not token_ids:
             raise ValueError("the prompt is empty")
@@ -155,7 +156,7 @@ class LLM:
         return engine_info(self)
 
     def report(self) -> dict:
-        """`get_stats()` and `get_metrics()` in one dict: {"steps": ..., "kv_cache": ...}."""
+        """`get_stats()`, `get_metrics()` and live token counters in one dict: {"steps", "kv_cache", "tokens"}."""
         return engine_report(self)
 
     def get_stats(self) -> dict:

@@ -50,6 +50,7 @@ from nanovllm.loaders import ResolvedModel
 from nanovllm.models.registry import model_class_for
 from nanovllm.runner.inputs import StepHandle, StepInputs
 from nanovllm.runner.model_runner import ModelRunner
+from nanovllm.runner.spawn_guard import check_main_guard
 from nanovllm.runner.tp_step import pack, unpack
 
 _HOST = "127.0.0.1"
@@ -89,6 +90,7 @@ def start_workers(config: EngineConfig, resolved: ResolvedModel, max_model_len: 
         raise RuntimeError("torch.distributed is already initialised in this process; a tensor-parallel engine "
                            "makes its own process group")
     check_tp_split(resolved.hf_config, config.tensor_parallel_size, config.resolve_device())
+    check_main_guard()
     return TPWorkers(config, resolved, max_model_len)
 
 

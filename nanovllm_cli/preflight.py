@@ -1,0 +1,180 @@
+"""Checks made before the model loads, so that a whole-file mistake costs one message and no model load: the
+input is readable and of its declared format, its ids are unique, and OUTPUT can be written, is not the input,
+is not being written by another run (an OS lock held for the whole job) and is not replaced by accident."""
+from __future__ import annotations
+
+import fcntl
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from nanovllm_cli.readers import iter_rows
+from nanovllm_cli.rows import PROMPT_KEYS, is_openai_row, row_fingerprint, row_id
+from nanovllm_cli.writers import Answered, journal_path
+
+SAMPLE_ROWS = 100  # a JSONL file without one object in its first SAMPLE_ROWS rows is not JSON Lines of rows
+
+
+class PreflightError(Exception):
+    """The job cannot start; the message says why and names the file."""
+
+
+@dataclass
+class InputScan:
+    rows: int
+    openai: bool  # the rows are OpenAI batch request lines
+    duplicates: list[tuple[str, int, int]] = field(default_factory=list)  # (id, first number, later number)
+    fingerprints: dict[str, str] = field(default_factory=dict)  # id -> content hash of its row
+
+
+def _parquet_columns(path: Path) -> list[str]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        names = pq.ParquetFile(path).schema_arrow.names
+    except (OSError, ValueError, pa.ArrowException) as exc:
+        raise PreflightError(f"{path} is not a readable Parquet file: {exc}") from None
+    if not {*PROMPT_KEYS, "body"} & set(names):
+        raise PreflightError(f"{path} has no 'prompt', 'messages', 'prompt_token_ids' or 'body' column "
+                             f"(its columns: {', '.join(names) or 'none'})")
+    return names
+
+
+def scan_input(path: Path, fmt: str) -> InputScan:
+    """One pass over INPUT: its rows, their layout and repeated ids. Raises PreflightError when the file as a
+    whole is not what its format says (no single row could be read as a row)."""
+    columns = _parquet_columns(path) if fmt == "parquet" else None
+    label = "row" if fmt == "parquet" else "line"
+    first_of: dict[str, int] = {}
+    scan = InputScan(rows=0, openai=is_openai_row(dict.fromkeys(columns)) if columns else False)
+    seen_object, first_problem = columns is not None, None
+    try:
+        for number, value in iter_rows(path, fmt):
+            scan.rows += 1
+            if not seen_object:
+                if isinstance(value, dict):
+                    seen_object, scan.openai = True, is_openai_row(value)
+                elif scan.rows <= SAMPLE_ROWS:
+                    first_problem = first_problem or (number, value)
+                else:
+                    break
+            rid = row_id(number, value)
+            if rid in first_of:
+                scan.duplicates.append((rid, first_of[rid], number))
+            else:
+                first_of[rid] = number
+                scan.fingerprints[rid] = row_fingerprint(value)
+    except OSError as exc:
+        raise PreflightError(f"cannot read {path}: {exc.strerror or exc}") from None
+    if scan.rows and not seen_object:
+        number, value = first_problem
+        what = getattr(value, "message", None) or f"a JSON {type(value).__name__}, not an object"
+        raise PreflightError(f"{path} is not JSON Lines (one JSON object per line): no row in its first "
+                             f"{min(scan.rows, SAMPLE_ROWS)} {label}s is an object ({label} {number}: {what})")
+    return scan
+
+
+def duplicates_message(scan: InputScan, label: str, most: int = 5) -> str:
+    shown = "; ".join(f"{rid!r} at {label}s {a} and {b}" for rid, a, b in scan.duplicates[:most])
+    more = f" (and {len(scan.duplicates) - most} more)" if len(scan.duplicates) > most else ""
+    return (f"INPUT repeats ids: {shown}{more}. Every row needs its own id (a row without one is known by its "
+            f"{label} number)")
+
+
+def _existing_ancestor(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def prepare_output_dir(output: Path) -> None:
+    ancestor = _existing_ancestor(output.parent)
+    if not ancestor.is_dir():
+        raise PreflightError(f"cannot write {output}: {ancestor} is a file, not a folder")
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise PreflightError(f"cannot create the folder {output.parent}: {exc.strerror or exc}") from None
+    if not os.access(output.parent, os.W_OK | os.X_OK):
+        raise PreflightError(f"cannot write {output}: no write permission in {output.parent}")
+
+
+def check_output(output: Path, input_path: Path, *, resume: bool, overwrite: bool) -> None:
+    """OUTPUT is writable, is not INPUT under any name, and is replaced only when asked to."""
+    if output.exists():
+        if output.is_dir():
+            raise PreflightError(f"OUTPUT {output} is a folder")
+        if os.path.samefile(output, input_path):
+            raise PreflightError(f"OUTPUT must not be INPUT: {output} is the same file as {input_path}")
+        if not os.access(output, os.W_OK):
+            raise PreflightError(f"cannot write {output}: no write permission")
+    journal = journal_path(output)
+    has_results = (output.exists() and output.stat().st_size > 0) or (
+        output.suffix.lower() == ".parquet" and journal.exists())
+    if has_results and not resume and not overwrite:
+        raise PreflightError(f"OUTPUT {output} already holds results: add --resume to answer only the rows it "
+                             "lacks, or --overwrite to replace it")
+
+
+def stale_records(answered: Answered, fingerprints: dict[str, str]) -> set[str]:
+    """Ids of OUTPUT's records whose row changed since (another fingerprint) or is no longer in INPUT."""
+    return {rid for rid, old in answered.fingerprints.items()
+            if rid not in fingerprints or (old is not None and old != fingerprints[rid])}
+
+
+def stale_message(output: Path, answered: Answered, fingerprints: dict[str, str]) -> str:
+    stale = stale_records(answered, fingerprints)
+    removed = sorted(r for r in stale if r not in fingerprints)
+    changed = sorted(r for r in stale if r in fingerprints)
+    parts = [f"{len(ids)} {what} (e.g. {ids[0]!r})" for ids, what in (
+        (changed, "rows changed since they were answered"), (removed, "records answer rows no longer in INPUT")) if ids]
+    return (f"OUTPUT {output} does not match INPUT: {' and '.join(parts)}. Add --sync to rerun the changed rows and "
+            "drop the records of removed ones, or choose another OUTPUT")
+
+
+class OutputLockedError(PreflightError):
+    pass
+
+
+class OutputLock:
+    """An exclusive OS lock (flock) on `OUTPUT.lock`, held while the job writes OUTPUT; the file holds the pid of
+    its holder. The lock goes with the process, however it ends; the file is removed on release."""
+
+    def __init__(self, output: Path):
+        self.path = output.with_name(output.name + ".lock")
+        self.fd: int | None = None
+
+    def acquire(self) -> None:
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                raise OutputLockedError(f"OUTPUT {self.path.with_suffix('')} is being written by another run "
+                                        f"(pid {holder}); wait for it to end or choose another OUTPUT") from None
+            try:
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:  # else the holder removed the file between our open and our lock: lock the new one
+                break
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            self.path.unlink(missing_ok=True)
+            os.close(self.fd)
+            self.fd = None
+
+    def __enter__(self) -> OutputLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()

@@ -1,0 +1,268 @@
+"""`nanovllm run` against hostile input and concurrent use (issue 19): whole-file mistakes caught before the model
+loads, OUTPUT protected (lock, not INPUT, no silent replacement), rows that fail inside the engine failing with
+records, --retry-failed and the exit code, row errors under --quiet, progress from tokens per step."""
+import json
+import os
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from nanovllm import LLM, SamplingParams
+from nanovllm_cli.main import app
+from nanovllm_cli.preflight import OutputLock
+
+ENGINE = ["--model", "tiny-qwen3", "--load-format", "dummy", "--max-tokens", "3", "--ignore-eos"]
+UNLOADABLE = ["--model", "no-such-model"]  # a job that gets as far as loading the model exits 2 naming it
+
+
+def invoke(*args, engine=ENGINE):
+    result = CliRunner().invoke(app, ["run", *map(str, args), *engine])
+    assert "Traceback" not in result.stderr, result.stderr
+    return result
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def records(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def rows(n, start=0):
+    return [{"id": f"r{i}", "prompt_token_ids": [i + 1, i + 2]} for i in range(start, start + n)]
+
+
+# ---- pre-flight: INPUT ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("lines, message", [
+    ([{"id": "a", "prompt": "x"}, {"id": "b", "prompt": "y"}, {"id": "a", "prompt": "z"}], "'a' at lines 1 and 3"),
+    ([{"prompt_token_ids": [1]}, {"id": "1", "prompt_token_ids": [2]}], "'1' at lines 1 and 2"),  # line number
+])
+def test_duplicate_ids_stop_the_job_before_anything_is_written(tmp_path, lines, message):
+    path, out = write_jsonl(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
+    result = invoke(path, "-o", out, engine=UNLOADABLE)
+    assert result.exit_code == 2 and message in result.stderr and "repeats ids" in result.stderr
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("make", ["empty", "blank", "parquet"])
+def test_empty_input_says_so_and_exits_0_without_loading_the_model(tmp_path, make):
+    if make == "parquet":
+        path = tmp_path / "in.parquet"
+        pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), path)
+    else:
+        path = tmp_path / "in.jsonl"
+        path.write_text("" if make == "empty" else "\n  \n\n")
+    result = invoke(path, engine=UNLOADABLE)
+    assert result.exit_code == 0 and "has no rows: nothing to do" in result.stderr
+    assert not (tmp_path / "in.results.jsonl").exists()
+
+
+def test_whole_file_mistakes_are_one_message_before_the_model_loads(tmp_path):
+    array = tmp_path / "array.jsonl"
+    array.write_text(json.dumps([{"prompt": "a"}, {"prompt": "b"}], indent=2))
+    one_line_array = write_jsonl(tmp_path / "one.jsonl", [json.dumps([{"prompt": "a"}])])
+    no_prompt = tmp_path / "cols.parquet"
+    pq.write_table(pa.table({"id": ["a"], "text": ["b"]}), no_prompt)
+    parquet_as_jsonl = tmp_path / "p.jsonl"
+    parquet_as_jsonl.write_bytes(no_prompt.read_bytes())
+    jsonl_as_parquet = write_jsonl(tmp_path / "j.parquet", rows(2))
+    for path, message in ((array, "is not JSON Lines"), (one_line_array, "a JSON list, not an object"),
+                          (no_prompt, "has no 'prompt', 'messages', 'prompt_token_ids' or 'body' column"),
+                          (parquet_as_jsonl, "is not JSON Lines"), (jsonl_as_parquet, "is not a readable Parquet")):
+        result = invoke(path, "-o", tmp_path / "out.jsonl", engine=UNLOADABLE)
+        assert result.exit_code == 2, (path, result.stderr)
+        assert message in result.stderr and result.stderr.count("error:") == 1, result.stderr
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_inspect_cache_reports_a_file_of_another_format_as_a_usage_error(tmp_path):
+    parquet_as_jsonl = tmp_path / "p.jsonl"
+    pq.write_table(pa.table({"prompt": ["a"]}), parquet_as_jsonl)
+    jsonl_as_parquet = write_jsonl(tmp_path / "j.parquet", rows(2))
+    for path, message in ((parquet_as_jsonl, "is not JSON Lines"), (jsonl_as_parquet, "is not a readable Parquet")):
+        result = CliRunner().invoke(app, ["inspect-cache", str(path), "--model", "tiny-qwen3"])
+        assert result.exit_code == 2 and message in result.stderr and "Traceback" not in result.stderr
+
+
+# ---- pre-flight: OUTPUT --------------------------------------------------------------------------------------------
+
+def test_output_under_a_file_names_the_file(tmp_path):
+    path = write_jsonl(tmp_path / "in.jsonl", rows(1))
+    (tmp_path / "file").write_text("x")
+    result = invoke(path, "-o", tmp_path / "file" / "out.jsonl", engine=UNLOADABLE)
+    assert result.exit_code == 2 and f"{tmp_path / 'file'} is a file, not a folder" in result.stderr
+
+
+def test_output_that_is_the_input_under_another_name_is_refused(tmp_path):
+    path = write_jsonl(tmp_path / "in.jsonl", rows(3))
+    before = path.read_bytes()
+    os.link(path, tmp_path / "link.jsonl")
+    result = invoke(path, "-o", tmp_path / "link.jsonl", "--overwrite")
+    assert result.exit_code == 2 and "must not be INPUT" in result.stderr
+    assert path.read_bytes() == before
+
+
+def test_a_finished_output_is_not_replaced_without_overwrite(tmp_path):
+    path, out = write_jsonl(tmp_path / "in.jsonl", rows(3)), tmp_path / "out.jsonl"
+    assert invoke(path, "-o", out).exit_code == 0
+    before = out.read_bytes()
+    result = invoke(path, "-o", out, engine=UNLOADABLE)
+    assert result.exit_code == 2 and "--resume" in result.stderr and "--overwrite" in result.stderr
+    assert out.read_bytes() == before
+    assert invoke(path, "-o", out, "--overwrite").exit_code == 0
+    assert sorted(r["id"] for r in records(out)) == ["r0", "r1", "r2"]
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_a_second_run_on_a_locked_output_exits_2_naming_the_holder(tmp_path, suffix):
+    path, out = write_jsonl(tmp_path / "in.jsonl", rows(2)), tmp_path / f"out{suffix}"
+    with OutputLock(out):  # a real flock: another open file description conflicts, even in this process
+        result = invoke(path, "-o", out, engine=UNLOADABLE)
+        assert result.exit_code == 2 and f"being written by another run (pid {os.getpid()})" in result.stderr
+        assert not out.exists()
+    assert invoke(path, "-o", out).exit_code == 0  # released: the next run goes ahead
+    assert not (tmp_path / f"out{suffix}.lock").exists()
+
+
+def test_the_lock_is_held_while_the_job_runs(tmp_path, monkeypatch):
+    from nanovllm_cli import runner
+
+    path, out = write_jsonl(tmp_path / "in.jsonl", rows(2)), tmp_path / "out.jsonl"
+    seen = []
+
+    def try_lock():
+        try:
+            OutputLock(out).acquire()
+        except Exception as exc:  # noqa: BLE001
+            seen.append(str(exc))
+
+    monkeypatch.setattr(runner.BatchRunner, "_admit", lambda self, groups, _admit=runner.BatchRunner._admit: (
+        try_lock(), _admit(self, groups))[1])
+    assert invoke(path, "-o", out).exit_code == 0
+    assert seen and all("being written by another run" in s for s in seen)
+
+
+def test_clear_usage_messages(tmp_path):
+    path = write_jsonl(tmp_path / "in.jsonl", rows(1))
+    result = invoke(path, "--kv-cache-gib", "-1")
+    assert result.exit_code == 2 and "--kv-cache-gib must be a positive number of GiB, not -1.0" in result.stderr
+
+
+# ---- rows that fail, --retry-failed, exit codes --------------------------------------------------------------------
+
+def test_a_row_the_engine_cannot_hold_fails_alone_and_resume_is_clean(tmp_path):
+    lines = [*rows(2), {"id": "big-seed", "prompt_token_ids": [1], "seed": 2**63}, *rows(2, start=2)]
+    path, out = write_jsonl(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
+    result = invoke(path, "-o", out)
+    assert result.exit_code == 1
+    by_id = {r["id"]: r for r in records(out)}
+    assert len(by_id) == 5 and "seed=9223372036854775808" in by_id["big-seed"]["error"]
+    assert all(by_id[f"r{i}"]["error"] is None for i in range(4))
+
+
+def test_python_api_rejects_out_of_range_fields_and_the_engine_stays_usable():
+    llm = LLM("tiny-qwen3", load_format="dummy", max_model_len=64, num_kv_blocks=16)
+    for bad in ({"seed": 2**63}, {"top_k": 2**63}, {"temperature": float("nan")}, {"min_p": float("inf")}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SamplingParams(**bad)
+    params = SamplingParams(max_tokens=2)
+    params.seed = 2**64  # changed after construction: add_request checks again
+    with pytest.raises(ValueError, match="seed"):
+        llm.add_request([1, 2], params)
+    assert not llm.has_unfinished_requests()
+    assert len(llm.generate([[1, 2]], SamplingParams(max_tokens=2))[0].token_ids) == 2
+
+
+def test_an_engine_failure_in_a_step_gives_its_rows_error_records_and_names_them(tmp_path, monkeypatch):
+    path, out = write_jsonl(tmp_path / "in.jsonl", rows(4)), tmp_path / "out.jsonl"
+
+    def broken_step(self):
+        raise RuntimeError("device on fire")
+
+    monkeypatch.setattr(LLM, "step", broken_step)
+    result = invoke(path, "-o", out, "--max-num-seqs", 2)
+    assert result.exit_code == 3
+    assert "device on fire" in result.stderr and "line 1 (id 'r0')" in result.stderr
+    failed = records(out)
+    assert sorted(r["id"] for r in failed) == ["r0", "r1"] and all("device on fire" in r["error"] for r in failed)
+    monkeypatch.undo()
+    result = invoke(path, "-o", out, "--resume", "--json")
+    assert result.exit_code == 1  # the two error records remain
+    assert json.loads(result.stdout)["rows_failed_before"] == 2
+    result = invoke(path, "-o", out, "--retry-failed")
+    assert result.exit_code == 0
+    final = records(out)
+    assert sorted(r["id"] for r in final) == ["r0", "r1", "r2", "r3"] and all(r["error"] is None for r in final)
+
+
+def test_retry_failed_on_parquet_output(tmp_path):
+    lines = [*rows(2), {"id": "bad", "prompt_token_ids": [1], "temperature": -1}]
+    path, out = write_jsonl(tmp_path / "in.jsonl", lines), tmp_path / "out.parquet"
+    assert invoke(path, "-o", out).exit_code == 1
+    assert invoke(path, "-o", out, "--resume").exit_code == 1
+    path.write_text(path.read_text().replace('"temperature": -1', '"temperature": 0'))
+    assert invoke(path, "-o", out, "--retry-failed").exit_code == 0
+    table = pq.read_table(out).to_pylist()
+    assert sorted(r["id"] for r in table) == ["bad", "r0", "r1"] and all(r["error"] is None for r in table)
+
+
+def test_quiet_still_prints_row_errors(tmp_path):
+    path = write_jsonl(tmp_path / "in.jsonl", [*rows(1), {"id": "x", "prompt": 5}])
+    result = invoke(path, "-q")
+    assert result.exit_code == 1
+    assert "line 2: 'prompt' must be a non-empty string, not an integer" in result.stderr
+
+
+# ---- progress ------------------------------------------------------------------------------------------------------
+
+def test_progress_counts_tokens_generated_before_any_row_finishes():
+    from nanovllm_cli.run_cmd import snapshot
+    from nanovllm_cli.runner import RunStats
+
+    llm = LLM("tiny-qwen3", load_format="dummy", max_model_len=128, num_kv_blocks=32)
+    llm.add_request([1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True))
+    for _ in range(6):
+        llm.step()
+    stats = RunStats(rows_total=1)
+    snap = snapshot(stats, llm)
+    # 1 prefill step + 5 decode steps sampled 6 tokens; the counter leaves out the in-flight row's first one
+    assert stats.rows_done == 0 and llm.report()["tokens"]["generated"] == 5
+    assert snap.output_tok_s > 0 and snap.prefill_tok_s > 0 and snap.eta_s is None  # no row finished yet
+
+
+def test_eta_moves_while_long_rows_generate():
+    """Ten rows of ~100 tokens, one finished, three in flight: the estimate falls as the in-flight rows generate."""
+    from nanovllm_cli.display import eta_seconds
+
+    assert eta_seconds(9, 100.0, 0, 10.0) == 90.0
+    assert eta_seconds(9, 100.0, 150, 10.0) == 75.0
+    assert eta_seconds(1, 100.0, 500, 10.0) == 0.0  # longer than the mean: never negative
+    assert eta_seconds(9, None, 150, 10.0) is None
+
+
+# ---- resume by row content -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_resume_notices_changed_and_removed_rows(tmp_path, suffix):
+    path, out = write_jsonl(tmp_path / "in.jsonl", rows(5)), tmp_path / f"out{suffix}"
+    assert invoke(path, "-o", out).exit_code == 0
+    edited = rows(5)
+    edited[1]["prompt_token_ids"] = [7, 7, 7, 7]  # changed
+    del edited[3]  # removed
+    write_jsonl(path, [*edited, {"id": "new", "prompt_token_ids": [9]}])
+    result = invoke(path, "-o", out, "--resume", engine=UNLOADABLE)
+    assert result.exit_code == 2
+    assert "1 rows changed since they were answered (e.g. 'r1')" in result.stderr
+    assert "1 records answer rows no longer in INPUT (e.g. 'r3')" in result.stderr and "--sync" in result.stderr
+    result = invoke(path, "-o", out, "--sync", "--json")
+    assert result.exit_code == 0 and json.loads(result.stdout)["rows_skipped"] == 3
+    final = pq.read_table(out).to_pylist() if suffix == ".parquet" else records(out)
+    by_id = {r["id"]: r for r in final}
+    assert len(final) == len(by_id) == 5 and set(by_id) == {"r0", "r1", "r2", "r4", "new"}
+    assert by_id["r1"]["prompt_tokens"] == 4  # answered again, from the edited row
+    assert invoke(path, "-o", out, "--resume").exit_code == 0  # now in step: nothing to do
