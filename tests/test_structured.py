@@ -337,3 +337,21 @@ def test_response_format_conversion():
 def test_response_format_rejects_bad_input_by_name(response_format, message):
     with pytest.raises(ValueError, match=message):
         from_response_format(response_format)
+
+
+@pytest.mark.gpu
+def test_device_bitmask_matches_the_host_path(cache, tokenizer, vocab_size):
+    compiled = cache.request(StructuredOutputsParams(json=EXTRACTION_SCHEMA)).result()
+    rows = [compiled.new_row([tokenizer.eos_token_id]) for _ in range(3)]
+    for row, prefix in zip(rows, ['{"name": "x', '{"name": "ab", "age": 1', '{']):
+        for token in tokenizer.encode(prefix):
+            assert row.accept(token)
+    logits = torch.randn(5, vocab_size)
+    on_host = logits.clone()
+    BatchBitmask(4, vocab_size, "cpu").prepare(rows, [4, 0, 2]).apply(on_host)
+    on_device = logits.cuda()
+    device_bitmask = BatchBitmask(4, vocab_size, "cuda")
+    for _ in range(3):  # both host slots, reused
+        step = device_bitmask.prepare(rows, [4, 0, 2])
+    step.apply(on_device)
+    assert torch.equal(on_device.cpu(), on_host)
