@@ -16,41 +16,62 @@ from nanovllm.structured.row_grammar import RowGrammar
 
 
 @dataclass
-class StepBitmask:
-    """What the runner applies to a step's logits: `apply_token_bitmask(logits, bitmask, row_indices)`."""
+class _Slot:
+    """One step's buffers. On CUDA: pinned host memory, its device copy, and the events that order their reuse."""
 
-    bitmask: torch.Tensor  # int32 [constrained rows, ceil(vocab / 32)], on the logits' device
-    row_indices: torch.Tensor  # int64 [constrained rows]: the logits row of each bitmask row
-
-    def apply(self, logits: torch.Tensor) -> None:
-        apply_token_bitmask(logits, self.bitmask, self.row_indices)
+    host_bitmask: torch.Tensor
+    host_rows: torch.Tensor
+    device_bitmask: torch.Tensor
+    device_rows: torch.Tensor
+    copied: torch.cuda.Event | None = None  # on the copy stream, after the host -> device copy
+    consumed: torch.cuda.Event | None = None  # on the applying stream, after the kernel that read the device copy
 
 
 @dataclass
-class _HostSlot:
-    bitmask: torch.Tensor
-    row_indices: torch.Tensor
-    copied: torch.cuda.Event | None = None  # the device copy that reads this slot
+class StepBitmask:
+    """What the runner applies to a step's logits, on the stream it was prepared for."""
+
+    bitmask: torch.Tensor  # int32 [constrained rows, ceil(vocab / 32)], on the logits' device
+    row_indices: torch.Tensor  # int64 [constrained rows]: the logits row of each bitmask row
+    _slot: _Slot
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Disallowed logits of the constrained rows -> -inf, in place (nanovllm.kernels.token_bitmask), on the
+        current stream, which waits for the bitmask's copy here and not before."""
+        if logits.is_cuda:
+            torch.cuda.current_stream(logits.device).wait_event(self._slot.copied)
+        apply_token_bitmask(logits, self.bitmask, self.row_indices)
+        if logits.is_cuda:
+            self._slot.consumed = torch.cuda.Event()
+            self._slot.consumed.record()
 
 
 class BatchBitmask:
-    """Reusable host (pinned on CUDA) and device buffers for up to `max_rows` constrained rows a step.
+    """Reusable buffers for up to `max_rows` constrained rows a step, in two slots that alternate.
 
-    Two host slots alternate, so the host fills step t+1's mask while step t's copy may still be queued; a slot
-    is refilled only after the copy that read it has run."""
+    On CUDA the host -> device copy runs on a side stream, so it overlaps whatever the applying stream is still
+    running (the forward of the step it is for); the applying stream waits for the copy only at `apply`.
+    A slot is refilled two steps later: its host part once its copy has run, its device part once the kernel
+    that read it has run. A StepBitmask must be applied before the second `prepare` after it."""
 
     def __init__(self, max_rows: int, vocab_size: int, device: torch.device | str, fill_threads: int | str = "auto"):
         self.device = torch.device(device)
         self.max_rows = max_rows
         self.vocab_size = vocab_size
         width = bitmask_width(vocab_size)
-        pinned = self.device.type == "cuda"
-        self._slots = [_HostSlot(torch.empty(max_rows, width, dtype=torch.int32, pin_memory=pinned),
-                                 torch.empty(max_rows, dtype=torch.int64, pin_memory=pinned)) for _ in range(2)]
+        on_cuda = self.device.type == "cuda"
+
+        def slot() -> _Slot:
+            host_bitmask = torch.empty(max_rows, width, dtype=torch.int32, pin_memory=on_cuda)
+            host_rows = torch.empty(max_rows, dtype=torch.int64, pin_memory=on_cuda)
+            if not on_cuda:
+                return _Slot(host_bitmask, host_rows, host_bitmask, host_rows)
+            return _Slot(host_bitmask, host_rows, torch.empty(max_rows, width, dtype=torch.int32, device=self.device),
+                         torch.empty(max_rows, dtype=torch.int64, device=self.device))
+
+        self._slots = [slot(), slot()]
         self._next_slot = 0
-        if pinned:
-            self._device_bitmask = torch.empty(max_rows, width, dtype=torch.int32, device=self.device)
-            self._device_rows = torch.empty(max_rows, dtype=torch.int64, device=self.device)
+        self._copy_stream = torch.cuda.Stream(self.device) if on_cuda else None
         self._batch_matcher = xgr.BatchGrammarMatcher(fill_threads)
 
     def fill_host(self, grammars: Sequence[RowGrammar], logits_rows: Sequence[int],
@@ -65,10 +86,9 @@ class BatchBitmask:
             self._batch_matcher.batch_fill_next_token_bitmask([grammars[i].matcher for i in live], bitmask, live)
         row_indices[:len(logits_rows)] = torch.as_tensor(logits_rows, dtype=torch.int64)
 
-    def prepare(self, grammars: Sequence[RowGrammar], logits_rows: Sequence[int],
-                stream: torch.cuda.Stream | None = None) -> StepBitmask | None:
-        """Fill the constrained rows' masks and start their copy to the device on `stream` (default: the current
-        one; it must be the stream that then applies them). None when no row is constrained."""
+    def prepare(self, grammars: Sequence[RowGrammar], logits_rows: Sequence[int]) -> StepBitmask | None:
+        """Fill the constrained rows' masks (`grammars[i]` masks logits row `logits_rows[i]`) and start their copy
+        to the device; returns at once. None when no row is constrained."""
         count = len(grammars)
         if count != len(logits_rows):
             raise ValueError(f"{count} grammars but {len(logits_rows)} logits rows")
@@ -79,16 +99,14 @@ class BatchBitmask:
         slot = self._slots[self._next_slot]
         self._next_slot ^= 1
         if slot.copied is not None:
-            slot.copied.synchronize()  # normally long done: it was queued a step ago
-        self.fill_host(grammars, logits_rows, slot.bitmask, slot.row_indices)
-        if self.device.type != "cuda":
-            return StepBitmask(slot.bitmask[:count], slot.row_indices[:count])
-        stream = stream or torch.cuda.current_stream(self.device)
-        with torch.cuda.stream(stream):
-            bitmask = self._device_bitmask[:count]
-            row_indices = self._device_rows[:count]
-            bitmask.copy_(slot.bitmask[:count], non_blocking=True)
-            row_indices.copy_(slot.row_indices[:count], non_blocking=True)
-            slot.copied = torch.cuda.Event()
-            slot.copied.record(stream)
-        return StepBitmask(bitmask, row_indices)
+            slot.copied.synchronize()  # normally long done: it was queued two steps ago
+        self.fill_host(grammars, logits_rows, slot.host_bitmask, slot.host_rows)
+        if self._copy_stream is not None:
+            if slot.consumed is not None:
+                self._copy_stream.wait_event(slot.consumed)
+            with torch.cuda.stream(self._copy_stream):
+                slot.device_bitmask[:count].copy_(slot.host_bitmask[:count], non_blocking=True)
+                slot.device_rows[:count].copy_(slot.host_rows[:count], non_blocking=True)
+                slot.copied = torch.cuda.Event()
+                slot.copied.record(self._copy_stream)
+        return StepBitmask(slot.device_bitmask[:count], slot.device_rows[:count], slot)
