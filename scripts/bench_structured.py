@@ -4,6 +4,7 @@
   TokenizerInfo build;
 - fill: the host filling the bitmask of `--rows` rows of that schema, each advanced to a different place in it,
   through BatchBitmask (xgrammar's threads), alone and with the copy to the device;
+- accept: the host advancing those rows by one token each (what postprocess adds per step);
 - apply: the mask kernel on [rows, --vocab-size] bf16 logits (all rows constrained, and half of them), against
   the torch path and xgrammar's own apply, timed with CUDA events.
 
@@ -49,13 +50,17 @@ def emit(out, record: dict) -> None:
     out.flush()
 
 
+def summary(times_ms: list[float]) -> dict:
+    return {"median_ms": statistics.median(times_ms), "min_ms": min(times_ms), "max_ms": max(times_ms)}
+
+
 def host_ms(fn, repeats: int) -> dict:
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append((time.perf_counter() - start) * 1000)
-    return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times)}
+    return summary(times)
 
 
 def device_ms(fn, repeats: int) -> float:
@@ -123,6 +128,7 @@ def main() -> None:
         emit(out, {**common, "bench": "fill", "rows": args.rows, "fill_threads": threads,
                    "tokens_advanced_mean": statistics.mean(advanced),
                    **bench_fill(rows, args.vocab_size, device, threads, args.repeats)})
+    emit(out, {**common, "bench": "accept", "rows": args.rows, **bench_accept(rows, args.vocab_size, args.repeats)})
     cache.shutdown()
     if device.type == "cuda":
         for constrained in (args.rows, args.rows // 2):
@@ -141,6 +147,29 @@ def bench_fill(rows: list[RowGrammar], vocab_size: int, device: torch.device, th
     if device.type == "cuda":
         torch.cuda.synchronize()
     return {"fill_host": fill, "prepare_with_copy": prepare}
+
+
+def bench_accept(rows: list[RowGrammar], vocab_size: int, repeats: int) -> dict:
+    """Host ms of accepting one allowed token in every row (as postprocess does each step), rolled back after."""
+    mask = torch.empty(1, bitmask_width(vocab_size), dtype=torch.int32)
+    shifts = torch.arange(32, dtype=torch.int32)
+    pairs = []
+    for row in rows:
+        row.fill_bitmask(mask, 0)
+        allowed = ((mask[0].unsqueeze(-1) >> shifts) & 1).flatten()[:vocab_size].nonzero().flatten().tolist()
+        token = next((t for t in allowed if t not in row.stop_token_ids), None)
+        if token is not None:  # a finished object allows only stop tokens: such a row is left out
+            pairs.append((row, token))
+    rows = [row for row, _ in pairs]
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for row, token in pairs:
+            row.accept(token)
+        times.append((time.perf_counter() - start) * 1000)
+        for row in rows:
+            row.rollback(1)
+    return {"rows_accepting": len(rows), "accept_all_rows": summary(times)}
 
 
 def bench_apply(num_rows: int, constrained: int, vocab_size: int, repeats: int) -> dict:

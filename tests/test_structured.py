@@ -192,8 +192,11 @@ def test_row_grammar_accepts_rejects_ends_and_rolls_back(cache, tokenizer, vocab
     row.fill_bitmask(mask, 0)
     bits = ((mask[0].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten()
     assert bits.nonzero().flatten().tolist() == sorted({eos, 7})  # complete: only the stop tokens
+    twin = row.fork()
     row.rollback(len(alpha))
     assert not row.is_completed() and row.num_accepted == 0
+    assert twin.is_completed() and twin.num_accepted == len(alpha)  # the fork kept its place
+    assert twin.accept(eos) and twin.is_terminated() and not row.is_terminated()
     for token in tokenizer.encode("beta"):
         assert row.accept(token)
     assert row.accept(7) and row.is_terminated()

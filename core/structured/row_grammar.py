@@ -20,6 +20,14 @@ class RowGrammar:
         self.stop_token_ids = tuple(stop)
         self.num_accepted = 0
 
+    def fork(self) -> RowGrammar:
+        """An independent copy at the same place (a request with `n` > 1 forks its rows)."""
+        twin = object.__new__(RowGrammar)
+        twin._matcher = self._matcher.fork()
+        twin.stop_token_ids = self.stop_token_ids
+        twin.num_accepted = self.num_accepted
+        return twin
+
     def accept(self, token_id: int) -> bool:
         """Advance by one sampled token; False (state unchanged) if the grammar does not allow it here."""
         accepted = self._matcher.accept_token(token_id)
