@@ -238,6 +238,22 @@ def test_compiles_once_per_distinct_constraint(tokenizer, vocab_size):
         cache.shutdown()
 
 
+def test_cache_evicts_least_recently_requested_finished_keys(tokenizer, vocab_size):
+    cache = GrammarCompileCache(tokenizer, vocab_size, max_entries=2)
+    try:
+        first, second, third = (StructuredOutputsParams(regex=r) for r in ("a+", "b+", "c+"))
+        kept = cache.request(first).result()
+        cache.request(second).result()
+        cache.request(first)  # now the most recent: "b+" is the one to go
+        cache.request(third).result()
+        assert cache.num_compiles == 3
+        assert cache.request(first).result() is kept  # still cached
+        cache.request(second).result()  # evicted: compiled again
+        assert cache.num_compiles == 4
+    finally:
+        cache.shutdown()
+
+
 @pytest.mark.parametrize("params, message", [
     (StructuredOutputsParams(json={"type": "nope"}), r'structured_outputs\.json: invalid JSON schema: Unsupported type "nope"'),
     (StructuredOutputsParams(json={"type": "integer", "minimum": 5, "maximum": 1}),

@@ -115,7 +115,7 @@ class GrammarCompileCache:
             else:
                 grammar = self._compiler.compile_grammar(params.grammar)
         except (RuntimeError, ValueError) as e:  # xgrammar reports bad input as either
-            reason = _NOISE.sub("", str(e)).strip().splitlines()[0]
+            reason = (_NOISE.sub("", str(e)).strip().splitlines() or [type(e).__name__])[0]
             raise ConstraintError(f"structured_outputs.{kind}: invalid {_WHAT[kind]}: {reason}") from None
         return CompiledConstraint(key, grammar)
 
