@@ -1,4 +1,4 @@
-"""The tensor-parallel group of this process (DESIGN §9). Until `init_tp_group` the engine is a single rank.
+"""The tensor-parallel group of this process (docs/ARCHITECTURE.md). Until `init_tp_group` the engine is a single rank.
 
 One group per process: NCCL when the ranks run on CUDA devices, gloo on the CPU; the model's collectives and the
 step broadcast use the same calls on both."""

@@ -49,7 +49,3 @@ class SamplingParams:
             raise bad("stop_token_ids", "must be a list of non-negative integers")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise bad("seed", "must be an integer or None")
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0

@@ -1,6 +1,6 @@
 """`nanovllm bench`: offline throughput of the sync and the async step loop, with an honest time split.
 
-Every figure comes from the engine's step stats (DESIGN §7): throughput over the wall clock of the steps, device
+Every figure comes from the engine's step stats (docs/ARCHITECTURE.md): throughput over the wall clock of the steps, device
 time from CUDA events, host phases from the host clock. On a GPU the run is also set against its roofline."""
 from __future__ import annotations
 
@@ -57,9 +57,9 @@ def warmup_workload(llm, seed: int) -> Workload:
     """A full batch of short prompts (whole prefill chunks) whose decode steps pass every CUDA graph size once,
     largest first: first-use costs (a graph's first launch, Triton compiling a kernel variant) must not land in
     whichever loop is measured first."""
-    from nanovllm.engine.cuda_graphs import batch_size_ladder
+    from nanovllm.runner.cuda_graphs import batch_size_ladder
 
-    sizes = batch_size_ladder(llm.runner.max_batch_size)
+    sizes = batch_size_ladder(llm._runner.max_batch_size)
     # Requests of output length n decode n - 1 times; at decode step d exactly sizes[-d] of them are running.
     output_lens = [len(sizes) + 1 - i for i, size in enumerate(sizes) for _ in range(size - ([0] + sizes)[i])]
     prompts = synthetic_workload(len(output_lens), (16, 64), (1, 1), llm.hf_config.vocab_size, seed + 1).prompts
@@ -147,7 +147,7 @@ def bench(
             raise o.fail(f"{len(too_long)} requests exceed max_model_len={llm.max_model_len} (e.g. request "
                          f"{too_long[0]}): shorten the ranges or raise --max-model-len")
 
-        runner = llm.runner
+        runner = llm._runner
         on_gpu = runner.device.type == "cuda"
         ceilings = measure_ceilings(runner.device) if on_gpu else None
         costs = model_costs(llm.hf_config, runner.model, runner.dtype)
@@ -178,7 +178,7 @@ def bench(
                                                              "seed": seed}},
         "engine": {"block_size": llm.config.block_size, "max_num_seqs": llm.config.max_num_seqs,
                    "max_num_batched_tokens": llm.config.max_num_batched_tokens,
-                   "num_kv_blocks": llm.block_manager.num_blocks, "cuda_graphs": runner.graphs is not None,
+                   "num_kv_blocks": llm._block_manager.num_blocks, "cuda_graphs": runner.graphs is not None,
                    "attention_backend": runner.attention_backend, "torch": torch.__version__},
         "ceilings": ({"copy_bytes_per_s": ceilings.copy_bytes_per_s,
                       "matmul_bf16_flops_per_s": ceilings.matmul_flops_per_s} if ceilings else None),

@@ -82,13 +82,12 @@ class CacheReplay:
     def add(self, token_ids: list[int]) -> None:
         bm = self.manager
         seq = Sequence(0, "replay", token_ids, SamplingParams(max_tokens=1), 0)
-        hits = bm.match_prefix(seq)
-        if bm.num_blocks_to_admit(seq, hits, seq.num_tokens - bm.cached_tokens_for(seq, hits)) > bm.num_free_blocks:
+        if not bm.admit(seq, seq.num_tokens):
             self.rows_not_fitting += 1  # the prompt alone is larger than the whole cache
             return
-        bm.admit(seq, hits)
-        bm.grow(seq, seq.num_tokens)
-        seq.num_cached_tokens = seq.num_tokens
+        num_new = seq.num_uncomputed_tokens
+        seq.start_step(num_new, samples=False)
+        seq.commit_step(num_new, None)
         bm.commit_computed_blocks(seq)
         bm.free(seq)
 

@@ -105,7 +105,7 @@ def _pct(value: float | None) -> str:
 
 
 def summary_rows(summary: dict) -> list[tuple[str, str]]:
-    """The figures of the summary table; GPU figures only when the engine ran on a GPU (DESIGN §7)."""
+    """The figures of the summary table; GPU figures only when the engine ran on a GPU (docs/ARCHITECTURE.md)."""
     engine = summary["engine"]
     rows = [
         ("output", f"{summary['output']} ({summary['output_format']})"),

@@ -24,7 +24,7 @@ DECODE_RANGES = ((1, 16), (17, 64), (65, 128), (129, 192), (193, 256))
 def record_steps(llm: LLM, records: list) -> None:
     """Append (batch size, prefill tokens, tokens, KV tokens attended, attention pairs of prefill chunks,
     device s) of every step the engine completes."""
-    complete = llm.loop._complete
+    complete = llm._loop._complete
 
     def recording(step):
         before = llm.stats.device_s or 0.0
@@ -40,7 +40,7 @@ def record_steps(llm: LLM, records: list) -> None:
                         (llm.stats.device_s or 0.0) - before))
         return finished
 
-    llm.loop._complete = recording
+    llm._loop._complete = recording
 
 
 def main() -> None:
@@ -48,8 +48,8 @@ def main() -> None:
     add_workload_arguments(parser)
     args = parser.parse_args()
     llm, workload = warmed_up_engine(args)
-    costs = model_costs(llm.hf_config, llm.runner.model, llm.runner.dtype)
-    ceilings = measure_ceilings(llm.runner.device)
+    costs = model_costs(llm.hf_config, llm._runner.model, llm._runner.dtype)
+    ceilings = measure_ceilings(llm._runner.device)
     records: list = []
     record_steps(llm, records)
     result = {"device": ceilings.name}

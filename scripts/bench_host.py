@@ -15,7 +15,6 @@ import json
 import pstats
 import statistics
 import time
-from types import SimpleNamespace
 
 import torch
 
@@ -40,21 +39,20 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.steps + 64, ignore_eos=True, temperature=args.temperature, seed=0)
     for i in range(args.num_seqs):
         llm.add_request([(i * 7 + j) % 500 + 3 for j in range(args.prompt_len)], params)
-    loop, scheduler, runner = llm.loop, llm.scheduler, llm.runner
-    while len(scheduler.running) < args.num_seqs or any(s.num_cached_tokens < s.num_prompt_tokens
+    loop, scheduler, runner = llm._loop, llm._scheduler, llm._runner
+    while len(scheduler.running) < args.num_seqs or any(s.num_computed_tokens < s.num_prompt_tokens
                                                          for s in scheduler.running):
         loop.step()
 
     phases: dict[str, list[float]] = {k: [] for k in ("schedule", "prepare", "execute", "wait", "postprocess")}
     profiler = cProfile.Profile() if args.profile else None
-    handle = loop.last_launched
     for _ in range(args.steps):
         t0 = time.perf_counter()
         if profiler:
             profiler.enable()
         batch = scheduler.schedule()
         t1 = time.perf_counter()
-        inputs = runner.prepare(batch, handle)
+        inputs = runner.prepare(batch)
         t2 = time.perf_counter()
         if profiler:
             profiler.disable()
@@ -62,7 +60,7 @@ def main() -> None:
         if args.skip_forward:
             t3 = t4 = time.perf_counter()
             tokens = [0] * len(batch)
-            handle = SimpleNamespace(sampled=torch.zeros(len(batch), dtype=torch.int64))
+            runner._last.sampled = torch.zeros(len(batch), dtype=torch.int64, device=runner.device)
         else:
             handle = runner.execute(inputs)
             t3 = time.perf_counter()

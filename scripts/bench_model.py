@@ -24,7 +24,7 @@ from nanovllm_cli.roofline import measure_ceilings, median_cuda_ms, model_costs
 def batch_meta(llm: LLM, num_seqs: int, context: int, new_tokens: int) -> tuple[torch.Tensor, torch.Tensor,
                                                                                  AttentionMetadata]:
     """Sequences of `context` tokens whose last `new_tokens` are computed now, in shuffled cache blocks."""
-    runner = llm.runner
+    runner = llm._runner
     block_size, device = runner.block_size, runner.device
     blocks_per_seq = -(-context // block_size)
     ids = torch.randperm(runner.num_kv_blocks, device=device)[:num_seqs * blocks_per_seq].to(torch.int32)
@@ -57,7 +57,7 @@ def top_kernels(fn, count: int = 12) -> list[dict]:
 @torch.inference_mode()
 def measure(model_name: str, engine_args: dict, ceilings, profile: bool, decode_batches: list[int]) -> dict:
     llm = LLM(model_name, **engine_args)
-    runner, model = llm.runner, llm.runner.model
+    runner, model = llm._runner, llm._runner.model
     costs = model_costs(llm.hf_config, model, runner.dtype)
     report = {"block_size": runner.block_size, "fused_ops": engine_args["fused_ops"]}
 
@@ -82,7 +82,7 @@ def measure(model_name: str, engine_args: dict, ceilings, profile: bool, decode_
 
 
 def decode_step(llm: LLM, costs, ceilings, batch: int, context: int, profile: bool) -> dict:
-    runner = llm.runner
+    runner = llm._runner
     ids, positions, meta = batch_meta(llm, batch, context, 1)
     size = runner.graphs.batch_size_for(batch)
     assert size == batch, "the decode batch must be a captured graph size (no padding rows)"

@@ -18,6 +18,6 @@ def warmed_up_engine(args: argparse.Namespace) -> tuple[LLM, Workload]:
     """The engine, after bench's warm-up, and the workload to measure on it."""
     llm = LLM(args.model, load_format="dummy")
     lengths = (100, args.max_len)
-    workload = synthetic_workload(args.num_seqs, lengths, lengths, llm.runner.vocab_size, 0)
+    workload = synthetic_workload(args.num_seqs, lengths, lengths, llm._runner.vocab_size, 0)
     run_workload(llm, warmup_workload(llm, 0), "warm-up", False)
     return llm, workload

@@ -1,3 +1,6 @@
+import gc
+import weakref
+
 import pytest
 
 from nanovllm import LLM, SamplingParams
@@ -101,3 +104,24 @@ def test_stop_token_ids_and_eos(smollm):
     assert stopped.finish_reason == "stop" and stopped.token_ids == full.token_ids[:first + 1]
     answered = smollm.chat([{"role": "user", "content": "Say hi."}], SamplingParams(temperature=0, max_tokens=200))[0]
     assert answered.finish_reason == "stop" and answered.token_ids[-1] == smollm.tokenizer.eos_token_id
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_dropped_engine_is_freed_at_once(async_scheduling):
+    """No reference cycle keeps an engine (and so its device memory) alive: dropping the last reference frees it
+    without a garbage collection, after it ran steps; `exit()` frees the runner's memory even while referenced."""
+    gc.disable()
+    try:
+        llm = LLM("tiny-qwen3", max_model_len=256, num_kv_blocks=32, async_scheduling=async_scheduling)
+        llm.generate([[1, 2, 3], [4, 5, 6, 7]], SamplingParams(temperature=0.7, max_tokens=5, seed=1))
+        engine, runner, cache = weakref.ref(llm), weakref.ref(llm._runner), weakref.ref(llm._runner.kv_cache)
+        del llm
+        assert engine() is None and runner() is None and cache() is None
+    finally:
+        gc.enable()
+    llm = LLM("tiny-qwen3", max_model_len=256, num_kv_blocks=32)
+    cache = weakref.ref(llm._runner.kv_cache)
+    llm.exit()
+    assert cache() is None
+    with pytest.raises(RuntimeError, match="exited"):
+        llm.generate([[1, 2, 3]])

@@ -1,4 +1,4 @@
-"""The async loop reorders the same engine: greedy outputs must equal the sync loop's (DESIGN §6)."""
+"""The async loop reorders the same engine: greedy outputs must equal the sync loop's (docs/ARCHITECTURE.md)."""
 import itertools
 import time
 
@@ -71,7 +71,7 @@ def test_async_stops_one_step_late_like_sync(smollm_pair):
                [(o.token_ids, o.text, o.finish_reason) for o in sync_out]
     assert any(o.finish_reason == "stop" for o in sync_out)
     assert not async_llm.has_unfinished_requests()
-    assert async_llm.block_manager.num_free_blocks == async_llm.block_manager.num_blocks
+    assert async_llm._block_manager.num_free_blocks == async_llm._block_manager.num_blocks
 
 
 def test_stats_invariants(smollm_pair):
@@ -127,27 +127,27 @@ def test_inflight_prefill_chunks_are_never_rescheduled():
     second = sched.schedule()  # step 1 still in flight
     assert (first.start_positions, first.num_new_tokens, first.samples) == ([0], [8], [False])
     assert (second.start_positions, second.num_new_tokens, second.samples) == ([8], [8], [False])
-    assert seq.num_cached_tokens == 0 and seq.num_inflight_tokens == 16
+    assert seq.num_computed_tokens == 0 and seq.num_inflight_tokens == 16
     sched.postprocess(first, [0])
-    assert seq.num_cached_tokens == 8 and seq.num_inflight_tokens == 8
+    assert seq.num_computed_tokens == 8 and seq.num_inflight_tokens == 8
     third = sched.schedule()
     assert (third.start_positions, third.num_new_tokens, third.samples) == ([16], [4], [True])
     assert seq.num_pending_tokens == 1
-    fourth = sched.schedule()  # decode of the token step 3 samples: a placeholder input
-    assert (fourth.start_positions, fourth.num_new_tokens, fourth.placeholder_sources) == ([20], [1], [0])
+    fourth = sched.schedule()  # decode of the token step 3 samples: a pending input
+    assert (fourth.start_positions, fourth.num_new_tokens, fourth.pending_inputs) == ([20], [1], [0])
     assert seq.num_pending_tokens == 2 and seq.num_effective_tokens == 22
     sched.postprocess(second, [0])
     sched.postprocess(third, [77])
-    assert seq.output_token_ids == [77] and seq.num_pending_tokens == 1 and seq.num_cached_tokens == 20
+    assert seq.output_token_ids == [77] and seq.num_pending_tokens == 1 and seq.num_computed_tokens == 20
 
 
-def test_placeholder_reserves_a_slot_and_late_finish_is_discarded():
+def test_pending_input_reserves_a_slot_and_late_finish_is_discarded():
     bm = BlockManager(64, 4)
     sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128, eos_token_ids={2})
     seq = make_seq([5, 6, 7, 8], max_tokens=10)
     sched.add(seq)
     prefill = sched.schedule()
-    decode = sched.schedule()  # placeholder at position 4 needs a second block
+    decode = sched.schedule()  # the pending input at position 4 needs a second block
     assert len(seq.block_table) == 2
     sched.postprocess(prefill, [2])  # EOS: finished at step 1 while step 2 is in flight
     assert seq.finish_reason == "stop" and bm.num_free_blocks == 64
@@ -180,7 +180,7 @@ def test_steady_decode_steps_equal_the_full_schedule(async_scheduling, num_kv_bl
     def steps(shortcut: bool) -> tuple[list[tuple], int]:
         llm = LLM(str(tiny_model_dirs["qwen3"]), async_scheduling=async_scheduling, max_model_len=256,
                   num_kv_blocks=num_kv_blocks)
-        scheduler, runner, seen, served = llm.scheduler, llm.runner, [], []
+        scheduler, runner, seen, served = llm._scheduler, llm._runner, [], []
         steady, prepare = scheduler._schedule_steady_decode, runner.prepare
 
         def record_steady(plan):
@@ -188,8 +188,8 @@ def test_steady_decode_steps_equal_the_full_schedule(async_scheduling, num_kv_bl
             served.append(batch is not None)
             return batch
 
-        def record_prepare(batch, previous=None):
-            inputs = prepare(batch, previous)
+        def record_prepare(batch):
+            inputs = prepare(batch)
             tensors = [value.tolist() for value in (*vars(inputs).values(), *vars(inputs.sampling).values())
                        if isinstance(value, torch.Tensor)]
             seen.append(([s.seq_id for s in batch.seqs], list(batch.start_positions), batch.num_new_tokens,

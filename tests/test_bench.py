@@ -4,7 +4,7 @@ import json
 from typer.testing import CliRunner
 
 from nanovllm import LLM
-from nanovllm.engine.cuda_graphs import batch_size_ladder
+from nanovllm.runner.cuda_graphs import batch_size_ladder
 from nanovllm_cli.bench import run_workload, synthetic_workload, warmup_workload
 from nanovllm_cli.main import app
 from nanovllm_cli.roofline import DeviceCeilings, ModelCosts, model_costs, roofline_seconds
@@ -67,11 +67,11 @@ def test_model_costs_are_one_ranks_share_under_tensor_parallelism():
     and MLP split evenly); its weight read is half the model's plus the norms, which every rank holds whole."""
     engine = {"load_format": "dummy", "max_model_len": 128, "cpu_kv_cache_bytes": 1 << 20}
     single = LLM("tiny-qwen3", **engine)
-    whole = model_costs(single.hf_config, single.runner.model, single.runner.dtype)
-    norm_bytes = sum(p.numel() * p.element_size() for name, p in single.runner.model.named_parameters()
+    whole = model_costs(single.hf_config, single._runner.model, single._runner.dtype)
+    norm_bytes = sum(p.numel() * p.element_size() for name, p in single._runner.model.named_parameters()
                      if "norm" in name)
     with LLM("tiny-qwen3", tensor_parallel_size=2, **engine) as llm:
-        share = model_costs(llm.hf_config, llm.runner.model, llm.runner.dtype)
+        share = model_costs(llm.hf_config, llm._runner.model, llm._runner.dtype)
     assert 2 * share.kv_bytes_per_token == whole.kv_bytes_per_token
     assert 2 * share.attention_flops_per_pair == whole.attention_flops_per_pair
     assert 2 * share.flops_per_token == whole.flops_per_token

@@ -9,14 +9,15 @@ BS = 4
 
 def admit(bm: BlockManager, seq, num_new: int | None = None):
     hits = bm.match_prefix(seq)
-    bm.admit(seq, hits)
-    bm.grow(seq, seq.num_cached_tokens + (num_new if num_new is not None else seq.num_uncomputed_tokens))
+    assert bm.admit(seq, num_new if num_new is not None else seq.num_tokens)
     return hits
 
 
 def compute(bm: BlockManager, seq, num_tokens: int | None = None):
     """Pretend the runner computed the sequence's tokens, then hash what filled."""
-    seq.num_cached_tokens = seq.num_tokens if num_tokens is None else num_tokens
+    num_new = (seq.num_tokens if num_tokens is None else num_tokens) - seq.num_computed_tokens
+    seq.start_step(num_new, samples=False)
+    seq.commit_step(num_new, None)
     bm.commit_computed_blocks(seq)
 
 
@@ -39,7 +40,7 @@ def test_prefix_hit_shares_blocks_and_counts_refs():
     b = make_seq(list(range(8)) + [99, 98, 97])
     hits = admit(bm, b)
     assert hits == a.block_table[:2]
-    assert b.num_cached_tokens == 8
+    assert b.num_computed_tokens == 8
     assert [bm.blocks[i].ref_count for i in hits] == [2, 2]
     assert b.block_table[2] != a.block_table[2]
     assert bm.stats.shared_blocks == 2 and bm.stats.hit_tokens == 8
@@ -78,10 +79,10 @@ def test_freed_block_keeps_hash_and_is_resurrected():
     assert bm.num_free_blocks == 8
     assert all(bm.blocks[i].hash != NO_HASH for i in table[:2])
     b = make_seq(list(range(9)))
-    assert bm.num_blocks_to_admit(b, bm.match_prefix(b), 1) == 3  # two resurrected + one fresh
-    hits = admit(bm, b)
+    hits = admit(bm, b, 1)
+    assert bm.num_free_blocks == 8 - 3  # two resurrected + one fresh
     assert hits == table[:2]
-    assert b.num_cached_tokens == 8
+    assert b.num_computed_tokens == 8
     assert bm.stats.resurrected_blocks == 2
     assert all(i in bm.used_blocks and i not in bm.free_blocks for i in hits)
 
@@ -111,7 +112,7 @@ def test_fully_cached_prompt_recomputes_last_token_without_rewriting_it():
     b = make_seq(list(range(8)))
     hits = admit(bm, b)
     assert len(hits) == 2
-    assert b.num_cached_tokens == 7 and b.num_uncomputed_tokens == 1
+    assert b.num_computed_tokens == 7 and b.num_uncomputed_tokens == 1
     assert b.num_shared_kv_tokens == 8  # the last token's KV is already in the shared block: no write
 
 
@@ -121,8 +122,8 @@ def test_blocks_are_hashed_as_decode_fills_them():
     admit(bm, a)
     compute(bm, a)
     assert bm.blocks[a.block_table[0]].hash == NO_HASH
-    a.append_token(4)  # decode: token 4 is sampled, then computed in the next step
-    bm.grow(a, 4)
+    a.token_ids.append(4)  # decode: token 4 is sampled, then computed in the next step
+    assert bm.try_grow(a, 4)
     compute(bm, a)
     assert bm.blocks[a.block_table[0]].hash == compute_block_hash(NO_HASH, [1, 2, 3, 4])
     b = make_seq([1, 2, 3, 4, 5])
@@ -136,6 +137,18 @@ def test_prefix_caching_disabled_never_hits():
     compute(bm, a)
     assert bm.match_prefix(make_seq(list(range(9)))) == []
     assert all(b.hash == NO_HASH for b in bm.blocks)
+
+
+def test_admission_and_growth_take_nothing_when_blocks_run_short():
+    bm = BlockManager(4, BS)
+    a = make_seq(list(range(9)))  # 3 blocks
+    admit(bm, a)
+    b = make_seq(list(range(100, 109)))
+    assert not bm.admit(b, b.num_tokens) and b.block_table == [] and b.num_computed_tokens == 0
+    assert bm.admit(b, 4) and len(b.block_table) == 1  # a first chunk of 4 tokens fits in the last block
+    assert not bm.try_grow(b, 5) and len(b.block_table) == 1 and bm.num_free_blocks == 0
+    bm.free(a)
+    assert bm.try_grow(b, 9) and len(b.block_table) == 3
 
 
 def test_every_block_is_in_exactly_one_set():

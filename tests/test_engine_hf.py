@@ -1,4 +1,4 @@
-"""End-to-end greedy decoding against HF transformers' own models, fp32 on the CPU (DESIGN §3-5, §8)."""
+"""End-to-end greedy decoding against HF transformers' own models, fp32 on the CPU (docs/ARCHITECTURE.md)."""
 import pytest
 from reference import hf_greedy, load_hf_model
 

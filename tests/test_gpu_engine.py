@@ -40,7 +40,7 @@ def random_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
 @torch.inference_mode()
 def engine_prompt_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
     """The engine model's logits for the prompt's last token, from a one-sequence prefill into free blocks."""
-    runner = llm.runner
+    runner = llm._runner
     n, device = len(prompt), runner.device
     num_blocks = math.ceil(n / runner.block_size)
     meta = AttentionMetadata(
@@ -101,7 +101,7 @@ def check_against_hf(name: str, directory, prompts: list[list[int]]) -> None:
     torch.cuda.empty_cache()
 
     llm = LLM(str(directory), dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=0.3)
-    assert llm.runner.attention_backend == "triton" and llm.runner.graphs is not None
+    assert llm._runner.attention_backend == "triton" and llm._runner.graphs is not None
     ours = [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS,
                                                                       ignore_eos=True))]
     our_logits = [engine_prompt_logits(llm, p) for p in prompts[:8]]
@@ -223,7 +223,7 @@ def test_bf16_decode_graphs_compute_the_eager_step():
 @torch.inference_mode()
 def graph_vs_eager_differing_logits() -> dict[int, int]:
     llm = LLM("qwen3-0.6b", load_format="dummy", max_model_len=2048, num_kv_blocks=4096, seed=5)
-    runner, model = llm.runner, llm.runner.model
+    runner, model = llm._runner, llm._runner.model
     runner.kv_cache.normal_(0, 1)
     gen = torch.Generator(device="cuda").manual_seed(0)
     differing = {}
@@ -258,16 +258,19 @@ def graph_vs_eager_differing_logits() -> dict[int, int]:
 
 
 def test_two_engines_in_a_row_get_the_same_budget():
+    """Whether the first engine is exited or only dropped (no exit, no gc.collect), the next one finds its
+    memory free."""
     args = dict(load_format="dummy", max_model_len=4096, gpu_memory_utilization=0.3)
     first = LLM("qwen3-0.6b", **args)
-    blocks = first.runner.num_kv_blocks
+    blocks = first._runner.num_kv_blocks
     first.exit()
-    del first
-    gc.collect()
-    torch.cuda.empty_cache()
     second = LLM("qwen3-0.6b", **args)
-    assert second.runner.num_kv_blocks == blocks > 0
-    second.exit()
+    assert second._runner.num_kv_blocks == blocks > 0
+    second.generate([[1, 2, 3]] * 4)
+    del second  # no exit(), no gc.collect()
+    third = LLM("qwen3-0.6b", **args)
+    assert third._runner.num_kv_blocks == blocks
+    third.exit()
 
 
 def test_too_small_budget_names_the_knob():
@@ -296,12 +299,12 @@ def test_tp2_greedy_equals_tp1(random_models, dtype):
     gc.collect()
     torch.cuda.empty_cache()
     with LLM(str(directory), tensor_parallel_size=2, **engine) as llm:
-        assert llm.runner.graphs is not None
+        assert llm._runner.graphs is not None
         tp2 = [o.token_ids for o in llm.generate(prompts, params)]
         llm.set_async_scheduling(True)
         tp2_async = [o.token_ids for o in llm.generate(prompts, params)]
         stats = llm.get_stats()
-        pids = llm.workers.pids
+        pids = llm._workers.pids
     assert not any(process_alive(pid) for pid in pids)
     del llm  # rank 0's KV cache: a later engine's budget counts what this process's allocator still holds
     gc.collect()

@@ -37,7 +37,7 @@ def draw(logits, n, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0):
     t = SamplingTensors(
         temperatures=torch.full((n,), temperature), top_k=torch.full((n,), top_k if top_k > 0 else vocab),
         top_p=torch.full((n,), top_p), min_p=torch.full((n,), min_p), seeds=torch.arange(n) * 7919 + 3,
-        positions=torch.arange(n) % 13, all_greedy=False, any_filter=top_k > 0 or top_p < 1 or min_p > 0)
+        sample_positions=torch.arange(n) % 13, all_greedy=False, any_filter=top_k > 0 or top_p < 1 or min_p > 0)
     return sample(torch.tensor([logits] * n), t)
 
 
@@ -76,7 +76,7 @@ def test_greedy_rows_take_argmax_in_a_mixed_batch():
     logits = torch.randn(6, 50)
     t = SamplingTensors(temperatures=torch.tensor([0.0, 1.0, 0.0, 1.0, 0.0, 1.0]),
                         top_k=torch.full((6,), 50), top_p=torch.ones(6), min_p=torch.zeros(6),
-                        seeds=torch.arange(6), positions=torch.zeros(6, dtype=torch.int64),
+                        seeds=torch.arange(6), sample_positions=torch.zeros(6, dtype=torch.int64),
                         all_greedy=False, any_filter=False)
     tokens = sample(logits, t)
     assert torch.equal(tokens[::2], logits[::2].argmax(dim=-1))
@@ -118,7 +118,7 @@ def test_bf16_logits_sample_as_their_float32_widening(all_greedy):
     logits = (torch.randn(n, vocab, generator=torch.Generator().manual_seed(5)) * 3).to(torch.bfloat16)
     temperatures = torch.zeros(n) if all_greedy else torch.linspace(0, 1.5, n)  # row 0 greedy either way
     t = SamplingTensors(temperatures=temperatures, top_k=torch.full((n,), 50), top_p=torch.full((n,), 0.9),
-                        min_p=torch.full((n,), 0.01), seeds=torch.arange(n), positions=torch.arange(n),
+                        min_p=torch.full((n,), 0.01), seeds=torch.arange(n), sample_positions=torch.arange(n),
                         all_greedy=all_greedy, any_filter=not all_greedy)
     assert torch.equal(sample(logits, t), sample(logits.float(), t))
     assert torch.equal(sample(logits, t)[0], logits[0].float().argmax())

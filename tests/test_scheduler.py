@@ -27,7 +27,7 @@ def test_token_budget_and_chunking_of_long_prompt():
     chunks = [step(sched)[1] for _ in range(3)]
     assert chunks == [[(long.seq_id, 16)], [(long.seq_id, 16)], [(long.seq_id, 8)]]
     assert long.num_output_tokens == 1  # only the last chunk produced a token
-    assert long.num_cached_tokens == 40
+    assert long.num_computed_tokens == 40
 
 
 def test_mixed_batch_decode_first_then_prefill_chunk():

@@ -4,9 +4,8 @@ import pytest
 import torch
 from helpers import make_seq
 
-from nanovllm.engine.cuda_graphs import batch_size_ladder
-from nanovllm.engine.sequence import SequenceStatus
-from nanovllm.engine.step_buffers import DeviceBlockTables, Field, SequenceRows, StepBuffers
+from nanovllm.runner.cuda_graphs import batch_size_ladder
+from nanovllm.runner.step_buffers import DeviceBlockTables, Field, SequenceRows, StepBuffers
 
 VOCAB = 100
 
@@ -19,15 +18,13 @@ def sync(rows: SequenceRows, seqs, tables: DeviceBlockTables | None = None
     if tables is not None:
         tables.apply(torch.tensor([indices, blocks], dtype=torch.int32).view(2, -1))
     sent = [(i // rows.width, i % rows.width, b) for i, b in zip(indices, blocks)]
-    return [seq.row for seq in seqs], sent
+    return [rows.row_of[seq.seq_id] for seq in seqs], sent
 
 
 def test_tables_send_only_new_entries_and_resync_after_preemption():
     rows = SequenceRows(max_rows=4, max_blocks_per_seq=6, vocab_size=VOCAB)
     tables = DeviceBlockTables(len(rows.host_tables), rows.width, torch.device("cpu"))
     a, b = make_seq([1] * 40), make_seq([2] * 10)
-    for seq in (a, b):
-        seq.status = SequenceStatus.RUNNING
     a.block_table, b.block_table = [7, 3, 9], [5]
     ids, _ = sync(rows, [a, b], tables)
     assert tables.gather(torch.tensor(ids), 3).tolist() == [[7, 3, 9], [5, 0, 0]]
@@ -54,7 +51,7 @@ def test_padding_updates_land_in_the_sink_row_only():
 def test_rows_hold_sampling_settings_and_refresh_them_on_a_new_epoch():
     rows = SequenceRows(max_rows=2, max_blocks_per_seq=2, vocab_size=VOCAB)
     seq = make_seq([1, 2, 3], temperature=0.5, top_k=0, top_p=0.9, min_p=0.1)
-    seq.status, seq.block_table, seq.num_shared_kv_tokens = SequenceStatus.RUNNING, [1], 0
+    seq.block_table, seq.num_shared_kv_tokens = [1], 0
     (row,), _ = sync(rows, [seq])
     assert (rows.temperature[row], rows.top_k[row], rows.top_p[row], rows.min_p[row]) == (
         np.float32(0.5), VOCAB, np.float32(0.9), np.float32(0.1))
@@ -64,17 +61,20 @@ def test_rows_hold_sampling_settings_and_refresh_them_on_a_new_epoch():
     assert rows.num_shared_kv_tokens[row] == 16
 
 
-def test_rows_of_stopped_sequences_are_reclaimed():
+def test_rows_of_released_sequences_are_reused():
     rows = SequenceRows(max_rows=2, max_blocks_per_seq=2, vocab_size=VOCAB)
     first = [make_seq([1]), make_seq([2])]
     for seq in first:
-        seq.status, seq.block_table = SequenceStatus.RUNNING, [1]
-    sync(rows, first)
-    first[0].status = SequenceStatus.FINISHED
+        seq.block_table = [1]
+    (freed, _), _ = sync(rows, first)
     late = make_seq([3])
-    late.status, late.block_table = SequenceStatus.RUNNING, [8]
-    ids, _ = sync(rows, [first[1], late])
-    assert len(set(ids)) == 2 and rows.padding_row == 2
+    late.block_table = [8]
+    with pytest.raises(RuntimeError, match="more running sequences than rows"):
+        sync(rows, [late])
+    rows.release([first[0].seq_id])
+    ids, sent = sync(rows, [first[1], late])
+    assert ids[1] == freed and sent == [(freed, 0, 8)] and rows.padding_row == 2
+    assert first[0].seq_id not in rows.row_of
 
 
 def test_step_buffers_round_trip_typed_fields():

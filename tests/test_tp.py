@@ -18,9 +18,6 @@ from test_engine_hf import CHATS, TINY_PROMPTS
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.distributed import before_tp_group_destroyed, destroy_tp_group, init_tp_group, min_over_ranks
-from nanovllm.engine.model_runner import StepInputs
-from nanovllm.engine.tp_step import pack, unpack
-from nanovllm.engine.tp_workers import TPWorkerError, check_tp_split
 from nanovllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.linear import (
     ColumnParallelLinear,
@@ -29,6 +26,9 @@ from nanovllm.layers.linear import (
     RowParallelLinear,
 )
 from nanovllm.loaders import resolve_model
+from nanovllm.runner.inputs import StepInputs
+from nanovllm.runner.tp_step import pack, unpack
+from nanovllm.runner.tp_workers import TPWorkerError, check_tp_split
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 # A 32-token budget chunks the long prompts; the shared 48-token prefix of TINY_PROMPTS hits the prefix cache.
@@ -123,7 +123,7 @@ def test_tp2_equals_tp1_tiny_qwen3(async_scheduling, tiny_model_dirs, tiny_tp1):
              **TINY_ENGINE) as llm:
         first = llm.generate(TINY_PROMPTS, GREEDY)
         second = llm.generate(TINY_PROMPTS, GREEDY)  # served largely from the prefix cache
-        pids = llm.workers.pids
+        pids = llm._workers.pids
     assert [o.token_ids for o in first] == [o.token_ids for o in second] == tiny_tp1
     assert second[2].num_cached_tokens == 64
     assert not any(process_alive(pid) for pid in pids) and not dist.is_initialized()
@@ -137,7 +137,7 @@ def test_tp2_dummy_weights_equal_tp1():
     reference = single.generate(prompts, GREEDY)
     with LLM("tiny-qwen3", tensor_parallel_size=2, **engine) as llm:
         outputs = llm.generate(prompts, GREEDY)
-        assert llm.runner.num_kv_blocks == 2 * single.runner.num_kv_blocks  # each rank holds half the KV heads
+        assert llm._runner.num_kv_blocks == 2 * single._runner.num_kv_blocks  # each rank holds half the KV heads
     assert [o.token_ids for o in outputs] == [o.token_ids for o in reference]
 
 
@@ -182,10 +182,10 @@ def test_step_packing_round_trip():
     for prompt in ([1, 2, 3, 4, 5] * 5, [7, 8], [9] * 20):
         rank0.add_request(prompt, SamplingParams(temperature=0.7, top_k=5, max_tokens=4, seed=1))
     rank0.step()  # the prefills
-    rank0.runner.graphs = _GraphSizes()
-    batch = rank0.scheduler.schedule()
+    rank0._runner.graphs = _GraphSizes()
+    batch = rank0._scheduler.schedule()
     assert batch.is_pure_decode
-    sent = rank0.runner.prepare(batch)
+    sent = rank0._runner.prepare(batch)
     assert sent.graph_size == 4 and len(sent.input_ids) == 4 and sent.table_updates.shape == (2, 4)
 
     header, payload = pack(sent)
@@ -206,15 +206,15 @@ def test_graph_steps_carry_one_table_entry_per_row_or_run_eagerly():
     llm = LLM("tiny-qwen3", max_model_len=256, num_kv_blocks=32)
     llm.add_request(list(range(3, 73)), SamplingParams(temperature=0, max_tokens=4))  # 70 tokens: 5 blocks
     llm.step()
-    runner, seq = llm.runner, llm.scheduler.running[0]
+    runner, seq = llm._runner, llm._scheduler.running[0]
     runner.graphs = _GraphSizes()
-    batch = llm.scheduler.schedule()
+    batch = llm._scheduler.schedule()
     inputs = runner.prepare(batch)
     assert inputs.graph_size == 4 and inputs.table_updates.tolist() == [[runner.tables.sink_index] * 4, [0] * 4]
     seq.epoch += 1  # as if preempted and readmitted: its row is refilled and its 5 blocks sent again
     batch.table_changed.append(seq)
     inputs = runner.prepare(batch)
-    row = seq.row * runner.rows.width
+    row = runner.rows.row_of[seq.seq_id] * runner.rows.width
     assert inputs.graph_size is None
     assert inputs.table_updates.tolist() == [list(range(row, row + 5)), seq.block_table]
 
@@ -223,7 +223,7 @@ def test_graph_steps_carry_one_table_entry_per_row_or_run_eagerly():
 
 def test_killed_worker_ends_the_job_with_a_clear_error_and_no_orphans():
     llm = LLM("tiny-qwen3", tensor_parallel_size=2, max_model_len=2048, num_kv_blocks=160)
-    pids = llm.workers.pids
+    pids = llm._workers.pids
     killer = threading.Timer(1.0, os.kill, (pids[0], signal.SIGKILL))
     killer.start()
     started = time.monotonic()
@@ -238,7 +238,7 @@ def test_killed_worker_ends_the_job_with_a_clear_error_and_no_orphans():
 
 
 _FAULTY_WORKER = """
-from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.runner.model_runner import ModelRunner
 
 execute, calls = ModelRunner.execute, []
 
@@ -259,7 +259,7 @@ def test_worker_exception_reaches_the_caller_with_its_traceback(tmp_path, monkey
     (tmp_path / "sitecustomize.py").write_text(_FAULTY_WORKER)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     llm = LLM("tiny-qwen3", tensor_parallel_size=2, **TINY_ENGINE)
-    pids = llm.workers.pids
+    pids = llm._workers.pids
     with pytest.raises(TPWorkerError, match=r"(?s)rank 1 \(pid \d+\) raised:\nTraceback.*"
                                             r"RuntimeError: injected fault in the third step"):
         llm.generate([[1, 2, 3]], GREEDY)
@@ -277,7 +277,7 @@ if __name__ == "__main__":
     print("inherited SIGINT handler:", signal.getsignal(signal.SIGINT), file=sys.stderr)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     llm = LLM("tiny-qwen3", tensor_parallel_size=2, max_model_len=2048, num_kv_blocks=160)
-    print(*llm.workers.pids, flush=True)
+    print(*llm._workers.pids, flush=True)
     if sys.argv[1] != "return":
         llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True))
 """

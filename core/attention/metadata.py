@@ -20,7 +20,3 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     decode_num_splits: int = 1  # decode kernels split each sequence's KV range this many ways (flash-decoding)
-
-    @property
-    def is_decode(self) -> bool:
-        return self.max_query_len == 1

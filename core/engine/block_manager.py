@@ -43,7 +43,7 @@ class PrefixCacheStats:
 
 
 class BlockManager:
-    """Owns the physical KV blocks: allocation, ref counts and the prefix cache (DESIGN §3-4).
+    """Owns the physical KV blocks: allocation, ref counts and the prefix cache (docs/ARCHITECTURE.md).
 
     A block is either free (in `free_blocks`, FIFO: the oldest freed block is reused first) or used. Freed
     blocks keep their hash, so a later request can take them back until they are handed out again.
@@ -88,16 +88,19 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
-    def num_blocks_to_admit(self, seq: Sequence, hits: list[int], num_new_tokens: int) -> int:
-        """Free blocks consumed by admitting `seq` with `hits` and computing `num_new_tokens` after them."""
-        num_cached = self.cached_tokens_for(seq, hits)
-        fresh = self.blocks_for(num_cached + num_new_tokens) - len(hits)
-        resurrected = sum(1 for b in hits if self.blocks[b].ref_count == 0)
-        return max(fresh, 0) + resurrected
-
-    def admit(self, seq: Sequence, hits: list[int]) -> None:
-        """Give `seq` its prefix-cache hits; sets `num_cached_tokens` (at least one token is left to compute)."""
+    def admit(self, seq: Sequence, max_new_tokens: int) -> bool:
+        """Give a waiting `seq` its prefix-cache hits and slots for up to `max_new_tokens` tokens after them, or
+        return False (and change nothing) when the free blocks do not suffice. Sets `num_computed_tokens` to the
+        tokens the hits serve; at least one token is left to compute."""
         assert not seq.block_table, "sequence already holds blocks"
+        hits = self.match_prefix(seq)
+        # A fully cached prompt still needs its last token computed to get logits.
+        num_computed = min(len(hits) * self.block_size, seq.num_tokens - 1)
+        num_new = min(seq.num_tokens - num_computed, max_new_tokens)
+        fresh = max(self.blocks_for(num_computed + num_new) - len(hits), 0)
+        resurrected = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        if fresh + resurrected > self.num_free_blocks:
+            return False
         for block_id in hits:
             block = self.blocks[block_id]
             if block.ref_count == 0:
@@ -110,29 +113,28 @@ class BlockManager:
             seq.block_table.append(block_id)
         seq.num_shared_kv_tokens = len(hits) * self.block_size
         seq.num_hashed_blocks = len(hits)
-        seq.num_cached_tokens = self.cached_tokens_for(seq, hits)
+        seq.num_computed_tokens = num_computed
         if self.enable_prefix_caching:
             self.stats.lookups += 1
             self.stats.queried_tokens += seq.num_tokens
-            self.stats.hit_tokens += seq.num_cached_tokens
+            self.stats.hit_tokens += num_computed
         if seq.num_prefix_hit_tokens is None:
-            seq.num_prefix_hit_tokens = seq.num_cached_tokens
-
-    def cached_tokens_for(self, seq: Sequence, hits: list[int]) -> int:
-        # A fully cached prompt still needs its last token computed to get logits.
-        return min(len(hits) * self.block_size, seq.num_tokens - 1)
-
-    def num_blocks_to_grow(self, seq: Sequence, num_tokens: int) -> int:
-        return max(self.blocks_for(num_tokens) - len(seq.block_table), 0)
-
-    def grow(self, seq: Sequence, num_tokens: int) -> None:
-        """Append fresh blocks until `seq` has slots for its first `num_tokens` tokens."""
-        for _ in range(self.num_blocks_to_grow(seq, num_tokens)):
+            seq.num_prefix_hit_tokens = num_computed
+        for _ in range(fresh):
             seq.block_table.append(self._take_free_block())
+        return True
+
+    def try_grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Append fresh blocks until `seq` has slots for its first `num_tokens` tokens; False (and nothing
+        taken) when the free blocks do not suffice."""
+        missing = self.blocks_for(num_tokens) - len(seq.block_table)
+        if missing > len(self.free_blocks):
+            return False
+        for _ in range(missing):
+            seq.block_table.append(self._take_free_block())
+        return True
 
     def _take_free_block(self) -> int:
-        if not self.free_blocks:
-            raise RuntimeError("out of KV blocks: the scheduler must check capacity first")
         block_id, _ = self.free_blocks.popitem(last=False)
         block = self.blocks[block_id]
         if block.hash != NO_HASH:
@@ -154,7 +156,7 @@ class BlockManager:
                 self.used_blocks.remove(block_id)
                 self.free_blocks[block_id] = None
         seq.block_table = []
-        seq.num_cached_tokens = 0
+        seq.num_computed_tokens = 0
         seq.num_shared_kv_tokens = 0
         seq.num_hashed_blocks = 0
 
@@ -176,7 +178,7 @@ class BlockManager:
         """
         if not self.enable_prefix_caching:
             return
-        limit = seq.num_cached_tokens if num_known_tokens is None else num_known_tokens
+        limit = seq.num_computed_tokens if num_known_tokens is None else num_known_tokens
         num_full = min(limit // self.block_size, len(seq.block_table))
         for index in range(seq.num_hashed_blocks, num_full):
             block = self.blocks[seq.block_table[index]]

@@ -8,14 +8,14 @@ from dataclasses import dataclass
 
 from nanovllm.config import EngineConfig
 from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.detokenizer import StopStringDetector
-from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.stats import EngineStats
 from nanovllm.engine.step_loop import StepLoop
-from nanovllm.engine.tp_workers import TPRunner, start_workers
+from nanovllm.engine.stop_strings import StopStringDetector
 from nanovllm.loaders import resolve_model
+from nanovllm.runner.model_runner import ModelRunner
+from nanovllm.runner.tp_workers import TPRunner, start_workers
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.tokenization import Prompt, PromptTokenizer
 
@@ -47,20 +47,22 @@ class LLM:
         self.prompts = PromptTokenizer.for_model(resolved)
         self.tokenizer = self.prompts.tokenizer
         self.max_model_len = self._max_model_len()
-        self.workers = start_workers(self.config, resolved, self.max_model_len)  # tensor-parallel ranks 1..N-1
+        self._runner: ModelRunner | None = None
+        self._workers = start_workers(self.config, resolved, self.max_model_len)  # tensor-parallel ranks 1..N-1
         try:
-            with self.workers.guard() if self.workers else nullcontext():  # a worker's error, not a broken collective
-                self.runner = ModelRunner(self.config, resolved, self.max_model_len)
+            with self._workers.guard() if self._workers else nullcontext():  # a worker's error, not a broken collective
+                self._runner = ModelRunner(self.config, resolved, self.max_model_len)
         except BaseException:
             self.exit()
             raise
-        self.block_manager = BlockManager(self.runner.num_kv_blocks, self.config.block_size,
-                                          self.config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens,
-                                   self.max_model_len, self._eos_token_ids())
-        self.stop_strings = StopStringDetector(self.tokenizer)
-        self.loop = StepLoop(self.scheduler, TPRunner(self.runner, self.workers) if self.workers else self.runner,
-                             self._new_stats(), self.config.async_scheduling, self._check_stop_strings)
+        self._block_manager = BlockManager(self._runner.num_kv_blocks, self.config.block_size,
+                                           self.config.enable_prefix_caching)
+        self._scheduler = Scheduler(self._block_manager, self.config.max_num_seqs,
+                                    self.config.max_num_batched_tokens, self.max_model_len, self._eos_token_ids(),
+                                    StopStringDetector(self.tokenizer) if self.tokenizer is not None else None)
+        self._loop = StepLoop(self._scheduler,
+                              TPRunner(self._runner, self._workers) if self._workers else self._runner,
+                              self._new_stats(), self.config.async_scheduling)
         self._seed_rng = random.Random(self.config.seed)
         self._seq_ids = itertools.count()
 
@@ -91,6 +93,8 @@ class LLM:
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
                     prompt_token_ids: list[int] | None = None) -> str:
         """Queue one request; raises ValueError (and queues nothing) when the request is invalid or can never fit."""
+        if self._runner.released:
+            raise RuntimeError("this LLM was exited; make a new one")
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling params must be a SamplingParams")
@@ -101,19 +105,19 @@ class LLM:
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         seq = Sequence(seq_id, str(seq_id) if request_id is None else request_id, token_ids, params, seed,
                        prompt if isinstance(prompt, str) else None)
-        error = self.scheduler.capacity_error(seq)
+        error = self._scheduler.capacity_error(seq)
         if error:
             raise ValueError(error)
-        self.scheduler.add(seq)
+        self._scheduler.add(seq)
         return seq.request_id
 
     def has_unfinished_requests(self) -> bool:
-        return self.loop.has_work()
+        return self._loop.has_work()
 
     def step(self) -> list[RequestOutput]:
         """One iteration of the step loop; returns the requests that finished in it."""
         started = time.perf_counter()
-        finished = self.loop.step()
+        finished = self._loop.step()
         detokenize_started = time.perf_counter()
         outputs = [self._output(seq) for seq in finished]
         ended = time.perf_counter()
@@ -121,33 +125,28 @@ class LLM:
         self.stats.record_interval(started, ended)
         return outputs
 
-    def _check_stop_strings(self, seqs: list[Sequence]) -> None:
-        for seq in seqs:
-            if not seq.is_finished and seq.params.stop and self.stop_strings.check(seq):
-                self.scheduler.finish(seq, "stop")
-
     @property
     def stats(self) -> EngineStats:
-        return self.loop.stats
+        return self._loop.stats
 
     def _new_stats(self) -> EngineStats:
-        return EngineStats(device=self.runner.device.type, overlap=self.config.async_scheduling)
+        return EngineStats(device=self._runner.device.type, overlap=self.config.async_scheduling)
 
     def reset_stats(self) -> None:
         """Start a new measurement (e.g. after a warm-up)."""
-        self.loop.stats = self._new_stats()
+        self._loop.stats = self._new_stats()
 
     def set_async_scheduling(self, enabled: bool) -> None:
         """Switch between the sync and the async loop (between jobs: no request may be in flight)."""
         if self.has_unfinished_requests():
             raise RuntimeError("cannot switch the step loop while requests are running")
         self.config.async_scheduling = enabled
-        self.loop.overlap = enabled
+        self._loop.overlap = enabled
         self.reset_stats()
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix, e.g. so that a benchmark's second pass starts cold."""
-        self.block_manager.reset_prefix_cache()
+        self._block_manager.reset_prefix_cache()
 
     def get_stats(self) -> dict:
         """Timing and throughput of the steps run since the engine started or `reset_stats`."""
@@ -157,13 +156,9 @@ class LLM:
         seq.finish_time = time.perf_counter()
         self.stats.record_finished(seq.num_prompt_tokens, seq.num_output_tokens, seq.arrival_time,
                                    seq.first_token_time, seq.finish_time)
-        text = None
-        if self.tokenizer is not None:
-            if seq.stop_text_len is not None:
-                text = self.stop_strings.text(seq)[:seq.stop_text_len]
-            else:
-                text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-        self.stop_strings.forget(seq)
+        text = seq.stop_text
+        if text is None and self.tokenizer is not None:
+            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
         return RequestOutput(
             request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens],
             text=text, token_ids=seq.output_token_ids, finish_reason=seq.finish_reason,
@@ -215,12 +210,12 @@ class LLM:
         return [outputs[r] for r in request_ids]
 
     def get_metrics(self) -> dict:
-        stats = self.block_manager.stats
+        stats = self._block_manager.stats
         return {
-            "num_kv_blocks": self.block_manager.num_blocks,
-            "block_size": self.block_manager.block_size,
-            "kv_cache_usage": self.block_manager.usage,
-            "num_preemptions": self.scheduler.num_preemptions,
+            "num_kv_blocks": self._block_manager.num_blocks,
+            "block_size": self._block_manager.block_size,
+            "kv_cache_usage": self._block_manager.usage,
+            "num_preemptions": self._scheduler.num_preemptions,
             "prefix_cache": {
                 "lookups": stats.lookups, "queried_tokens": stats.queried_tokens, "hit_tokens": stats.hit_tokens,
                 "hit_rate": stats.hit_rate, "shared_blocks": stats.shared_blocks,
@@ -229,9 +224,13 @@ class LLM:
         }
 
     def exit(self) -> None:
-        """Release the engine: stop the tensor-parallel workers, when there are any."""
-        if self.workers is not None:
-            self.workers.shutdown()
+        """Release the engine now: stop the tensor-parallel workers and free the device memory (weights, KV
+        cache, CUDA graphs). Dropping the last reference to the LLM frees the same, at once (no reference cycle
+        keeps an engine alive)."""
+        if self._workers is not None:
+            self._workers.shutdown()
+        if self._runner is not None:
+            self._runner.release()
 
     def __enter__(self) -> LLM:
         return self

@@ -1,87 +1,14 @@
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
+from nanovllm.batch import ScheduledBatch
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.sequence import Sequence, SequenceStatus
-
-
-@dataclass
-class ScheduledBatch:
-    """What one step computes: for each sequence, `num_new_tokens` tokens from `start_positions`, whose ids are
-    `input_ids` (all sequences' chunks, concatenated).
-
-    `samples[i]` says whether the chunk reaches the end of the sequence, so that its sampled token is an output
-    token (a prefill chunk short of the end samples nothing useful). `placeholder_sources[i]` is the row, in the
-    step still in flight, whose sample is this chunk's last input token (-1 when all its inputs are known).
-    `epochs` identify the sequences' state at scheduling time: a sequence preempted since then has another epoch
-    and this step's results for it are void. `table_changed`: the sequences whose block table is new or grew for
-    this step (the runner sends only their tables to the device). `inputs_are_previous_samples`: the batch is the
-    previous step's, one position further on, and every input is that step's sample of the same row (whether
-    the host knows it yet or not): the runner copies them on the device; `input_ids` holds zeros."""
-
-    seqs: list[Sequence] = field(default_factory=list)
-    num_new_tokens: list[int] = field(default_factory=list)
-    start_positions: list[int] | np.ndarray = field(default_factory=list)  # an array when all are decodes
-    samples: list[bool] = field(default_factory=list)
-    epochs: list[int] = field(default_factory=list)
-    placeholder_sources: list[int] = field(default_factory=list)
-    num_placeholders: int = 0
-    num_prefill_tokens: int = 0  # tokens of prompt chunks (the rest are decode tokens)
-    input_ids: list[int] = field(default_factory=list)
-    table_changed: list[Sequence] = field(default_factory=list)
-    inputs_are_previous_samples: bool = False
-
-    def add(self, seq: Sequence, num_new_tokens: int, start: int, num_effective_tokens: int) -> None:
-        """Compute `num_new_tokens` of `seq` from position `start` (its scheduled = committed + in-flight count)."""
-        end = start + num_new_tokens
-        samples = end == num_effective_tokens
-        token_ids = seq.token_ids
-        self.input_ids += token_ids[start:end]
-        if end > len(token_ids):  # the last input is sampled by the step in flight (read on the device)
-            self.input_ids.append(0)
-            self.placeholder_sources.append(seq.last_sample_index)
-            self.num_placeholders += 1
-        else:
-            self.placeholder_sources.append(-1)
-        if num_new_tokens > 1 or start < seq.num_prompt_tokens:
-            self.num_prefill_tokens += num_new_tokens
-        self.seqs.append(seq)
-        self.num_new_tokens.append(num_new_tokens)
-        self.start_positions.append(start)
-        self.samples.append(samples)
-        self.epochs.append(seq.epoch)
-        seq.num_inflight_tokens += num_new_tokens
-        if samples:
-            seq.num_pending_tokens += 1
-            seq.last_sample_index = len(self.seqs) - 1
-
-    def add_decodes(self, seqs: list[Sequence], start_positions: list[int] | np.ndarray, input_ids: list[int],
-                    placeholder_sources: list[int], epochs: list[int] | None = None) -> None:
-        """Start an empty batch with decodes that the scheduler already accounted for (one token each, sampled;
-        a placeholder source of -1 means the input token is known)."""
-        assert not self.seqs
-        n = len(seqs)
-        self.seqs, self.start_positions, self.input_ids = seqs, start_positions, input_ids
-        self.placeholder_sources = placeholder_sources
-        self.num_placeholders = n - placeholder_sources.count(-1)
-        self.num_new_tokens, self.samples = [1] * n, [True] * n
-        self.epochs = [seq.epoch for seq in seqs] if epochs is None else epochs
-
-    def __len__(self) -> int:
-        return len(self.seqs)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.input_ids)
-
-    @property
-    def is_pure_decode(self) -> bool:
-        """Every sequence computes exactly one token: the CUDA-graph fast path."""
-        return self.num_tokens == len(self.seqs)
+from nanovllm.engine.stop_strings import StopStringDetector
 
 
 @dataclass
@@ -98,23 +25,26 @@ class _DecodePlan:
     running_version: int  # the running set it was made for
     num_finished: int  # the scheduler's finish count when it was made
     zeros: list[int]  # [0] * len(seqs)
+    indices: list[int]  # list(range(len(seqs)))
 
     def subset(self, rows: np.ndarray) -> _DecodePlan:
         kept = rows.tolist()
         return _DecodePlan([self.seqs[i] for i in kept], [self.epochs[i] for i in kept], self.starts[rows],
                            self.max_lens[rows], self.capacities[rows], self.running_version, self.num_finished,
-                           self.zeros[:len(kept)])
+                           self.zeros[:len(kept)], self.indices[:len(kept)])
 
 
 class Scheduler:
-    """Decides which tokens each step computes, under a token budget and the KV blocks available (DESIGN §5).
+    """Decides which tokens each step computes, under a token budget and the KV blocks available, and applies
+    every stop rule to what a step sampled (docs/ARCHITECTURE.md).
 
     It plans from each sequence's effective state (committed + in flight), so the async loop can schedule step
     N+1 before step N's tokens are known; `postprocess` commits steps in the order they were scheduled."""
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, eos_token_ids: set[int]):
+                 max_model_len: int, eos_token_ids: set[int], stop_strings: StopStringDetector | None = None):
         self.block_manager = block_manager
+        self.stop_strings = stop_strings  # needs the tokenizer; a model without one has no stop strings
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -123,6 +53,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order: the last one is preempted first
         self.num_preemptions = 0
         self.finished: list[Sequence] = []  # finished since the last take_finished()
+        self._released: list[int] = []  # ids finished or preempted since the last batch (see ScheduledBatch)
         # A steady decode step (see _DecodePlan) is scheduled without a Python loop over the running sequences.
         self._running_version = 0  # changes whenever a sequence joins `running` or is preempted
         self._num_finished = 0
@@ -153,7 +84,11 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         plan, self._plan = self._plan, None
         batch = self._schedule_steady_decode(plan) if plan else None
-        return batch if batch is not None else self._schedule()
+        if batch is None:
+            batch = self._schedule()
+        if batch:
+            batch.released_seq_ids, self._released = self._released, []
+        return batch
 
     def _schedule_steady_decode(self, plan: _DecodePlan) -> ScheduledBatch | None:
         """The previous step's decodes one position further on (see _DecodePlan), when nothing else can join the
@@ -185,22 +120,17 @@ class Scheduler:
         batch = ScheduledBatch()
         for i in growing.tolist():  # each needs one more block, for the token at its new start
             seq = seqs[i]
-            self.block_manager.grow(seq, int(starts[i]) + 1)
+            self.block_manager.try_grow(seq, int(starts[i]) + 1)
             batch.table_changed.append(seq)
         plan.capacities[growing] += self.block_manager.block_size
         for seq in seqs:
-            seq.num_inflight_tokens += 1
-            seq.num_pending_tokens += 1
-        if same_rows:  # row i's input is the previous step's sample of row i: one copy on the device
-            batch.add_decodes(seqs, starts, plan.zeros, list(range(len(seqs))), plan.epochs)
-            batch.inputs_are_previous_samples = True
+            seq.start_step(1, True)
+        # Every input is the previous step's sample: in flight (async), or the same rows one position further on,
+        # whose samples are still on the device (sync); otherwise the host knows them.
+        if in_flight or same_rows:
+            batch.add_decodes(seqs, starts, plan.zeros, plan.indices, plan.epochs)
         else:
-            for row, seq in enumerate(seqs):
-                seq.last_sample_index = row
-            if in_flight:  # gathered on the device from the rows they had in the previous step
-                batch.add_decodes(seqs, starts, plan.zeros, previous_rows.tolist(), plan.epochs)
-            else:
-                batch.add_decodes(seqs, starts, [seq.token_ids[-1] for seq in seqs], [-1] * len(seqs), plan.epochs)
+            batch.add_decodes(seqs, starts, [seq.token_ids[-1] for seq in seqs], [], plan.epochs)
         plan.starts = starts
         self._plan = plan
         return batch
@@ -218,8 +148,8 @@ class Scheduler:
         decodes: list[Sequence] = []
         starts: list[int] = []
         input_ids: list[int] = []
-        sources: list[int] = []
-        chunks: list[tuple[Sequence, int, int, int]] = []
+        pending: list[int] = []
+        chunks: list[tuple[Sequence, int, int, bool]] = []
         num_decodes = num_done = 0
         for seq in self.running:
             if budget <= 0:
@@ -230,51 +160,44 @@ class Scheduler:
             if effective >= seq.max_len:
                 num_done += 1
                 continue  # its last token is already in flight: nothing more to compute
-            start = seq.num_cached_tokens + seq.num_inflight_tokens
+            start = seq.num_computed_tokens + seq.num_inflight_tokens
             num_new = effective - start
             if num_new > budget:
                 num_new = budget
             if start + num_new > len(seq.block_table) * block_size:
                 if not self._make_room(seq, start + num_new):
                     break
-                self.block_manager.grow(seq, start + num_new)
                 batch.table_changed.append(seq)
             budget -= num_new
             if num_new != 1 or start + 1 != effective or start < seq.num_prompt_tokens:
-                chunks.append((seq, num_new, start, effective))
+                chunks.append((seq, num_new, start, start + num_new == effective))
                 continue
             if start < num_known:
                 input_ids.append(token_ids[start])
-                sources.append(-1)
             else:  # sampled by the step in flight: read on the device
                 input_ids.append(0)
-                sources.append(seq.last_sample_index)
-            seq.num_inflight_tokens += 1
-            seq.num_pending_tokens += 1
-            seq.last_sample_index = num_decodes
+                pending.append(num_decodes)
+            seq.start_step(1, True)
             num_decodes += 1
             decodes.append(seq)
             starts.append(start)
-        batch.add_decodes(decodes, starts, input_ids, sources)
+        batch.add_decodes(decodes, starts, input_ids, pending)
         for chunk in chunks:
-            batch.add(*chunk)
+            self._add_chunk(batch, *chunk)
         preempted = self.num_preemptions != preemptions_before
 
         # Admitting new work right after a preemption would only thrash the cache.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            hits = self.block_manager.match_prefix(seq)
-            num_new = min(seq.num_tokens - self.block_manager.cached_tokens_for(seq, hits), budget)
-            if self.block_manager.num_blocks_to_admit(seq, hits, num_new) > self.block_manager.num_free_blocks:
+            if not self.block_manager.admit(seq, budget):
                 break
             self.waiting.popleft()
             self._running_version += 1
-            self.block_manager.admit(seq, hits)
-            self.block_manager.grow(seq, seq.num_cached_tokens + num_new)
             batch.table_changed.append(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            batch.add(seq, num_new, seq.num_cached_tokens, seq.num_tokens)
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            self._add_chunk(batch, seq, num_new, seq.num_computed_tokens, num_new == seq.num_uncomputed_tokens)
             budget -= num_new
         if (num_decodes and num_decodes == len(batch) and num_decodes + num_done == len(self.running)
                 and self._running_version == running_version):
@@ -282,14 +205,20 @@ class Scheduler:
                 decodes, batch.epochs, np.array(starts, dtype=np.int64),
                 np.array([seq.max_len for seq in decodes], dtype=np.int64),
                 np.array([len(seq.block_table) for seq in decodes], dtype=np.int64) * block_size,
-                running_version, self._num_finished, [0] * num_decodes)
+                running_version, self._num_finished, [0] * num_decodes, list(range(num_decodes)))
         return batch
 
+    @staticmethod
+    def _add_chunk(batch: ScheduledBatch, seq: Sequence, num_new_tokens: int, start: int, samples: bool) -> None:
+        batch.add_chunk(seq, num_new_tokens, start, samples)
+        seq.start_step(num_new_tokens, samples)
+
     def _make_room(self, seq: Sequence, num_tokens: int) -> bool:
-        """Preempt the most recently admitted running sequences until `seq` has blocks for `num_tokens` tokens.
+        """Give `seq` blocks for `num_tokens` tokens, preempting the most recently admitted running sequences
+        while the free blocks do not suffice.
 
         Sequences admitted before `seq` are never victims; returns False when `seq` itself had to go."""
-        while self.block_manager.num_blocks_to_grow(seq, num_tokens) > self.block_manager.num_free_blocks:
+        while not self.block_manager.try_grow(seq, num_tokens):
             victim = self.running.pop()
             self._preempt(victim)
             if victim is seq:
@@ -302,53 +231,50 @@ class Scheduler:
         In-flight steps may still write into the freed blocks; they run before any later step on the device, and
         their results for `seq` are dropped (new epoch), so nothing they write is committed or hashed."""
         self.block_manager.free(seq)
+        seq.preempt()
         self._running_version += 1
-        seq.status = SequenceStatus.WAITING
-        seq.num_inflight_tokens = 0
-        seq.num_pending_tokens = 0
-        seq.epoch += 1
-        seq.num_preemptions += 1
         self.num_preemptions += 1
+        self._released.append(seq.seq_id)
         self.waiting.appendleft(seq)
 
-    def postprocess(self, batch: ScheduledBatch, sampled_token_ids: list[int]) -> list[Sequence]:
-        """Commit one step (steps are committed in the order they were scheduled).
-
-        Returns the sequences that received an output token (finished ones included)."""
-        updated = []
+    def postprocess(self, batch: ScheduledBatch, sampled_token_ids: list[int]) -> None:
+        """Commit one step (steps are committed in the order they were scheduled) and finish the sequences that
+        a stop rule ends; `take_finished` hands them out."""
         finished, commit = SequenceStatus.FINISHED, self.block_manager.commit_computed_blocks
         for seq, num_new, samples, epoch, token_id in zip(batch.seqs, batch.num_new_tokens, batch.samples,
                                                            batch.epochs, sampled_token_ids):
             if seq.epoch != epoch or seq.status is finished:
                 continue  # preempted or finished after this step was scheduled: its work here is void
-            seq.num_inflight_tokens -= num_new
-            seq.num_cached_tokens += num_new
+            seq.commit_step(num_new, token_id if samples else None)
             commit(seq)
-            if not samples:
-                continue
-            seq.num_pending_tokens -= 1
-            seq.append_token(token_id)
-            updated.append(seq)
-            reason = self.token_stop_reason(seq, token_id)
-            if reason:
-                self.finish(seq, reason)
-        return updated
+            if samples:
+                reason = self._stop_reason(seq, token_id)
+                if reason:
+                    self._finish(seq, reason)
 
-    def token_stop_reason(self, seq: Sequence, token_id: int) -> str | None:
+    def _stop_reason(self, seq: Sequence, token_id: int) -> str | None:
+        """Every stop rule, in vLLM's order: EOS and stop tokens, stop strings, then the length limit."""
         params = seq.params
         if (not params.ignore_eos and token_id in self.eos_token_ids) or token_id in params.stop_token_ids:
             return "stop"
+        if params.stop and self.stop_strings is not None:
+            seq.stop_text = self.stop_strings.check(seq)
+            if seq.stop_text is not None:
+                return "stop"
         if seq.num_tokens >= seq.max_len:
             return "length"
         return None
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def _finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.block_manager.free(seq)
         self.running.remove(seq)
         self._num_finished += 1
         self.finished.append(seq)
+        self._released.append(seq.seq_id)
+        if self.stop_strings is not None and seq.params.stop:
+            self.stop_strings.forget(seq)
 
     def take_finished(self) -> list[Sequence]:
         finished, self.finished = self.finished, []

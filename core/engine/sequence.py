@@ -13,21 +13,24 @@ class SequenceStatus(Enum):
 
 
 class Sequence:
-    """One request's tokens and its place in the paged KV cache.
+    """One request's tokens, its place in the paged KV cache, and its token counters.
 
-    `num_cached_tokens` counts the leading tokens whose KV is computed and committed. Steps that are scheduled
-    but not yet postprocessed are "in flight": they compute `num_inflight_tokens` more, and those whose chunk
-    reaches the end of the sequence will each add one output token that is not known yet (`num_pending_tokens`).
-    The scheduler plans from the effective state (committed + in flight); in the sync loop both counts are 0 at
-    scheduling time. Positions below `num_shared_kv_tokens` lie in prefix-cache blocks that are already complete,
-    so their KV must not be written again (a whole prompt hit the cache and its last token is recomputed).
-    `epoch` changes on preemption, so the results of steps scheduled before it are recognised and dropped.
+    `num_computed_tokens` counts the leading tokens whose KV is computed and committed. Steps that are scheduled
+    but not yet committed are "in flight": they compute `num_inflight_tokens` more, and those whose chunk reaches
+    the end of the sequence will each add one output token that is not known yet (`num_pending_tokens`). The
+    scheduler plans from the effective state (committed + in flight); in the sync loop both in-flight counts are 0
+    at scheduling time. Each counter changes in one method: `start_step` (scheduled), `commit_step` (computed and
+    sampled), `preempt` (dropped); the KV fields (`block_table`, `num_computed_tokens` at admission,
+    `num_shared_kv_tokens`, `num_hashed_blocks`) belong to the block manager. Positions below
+    `num_shared_kv_tokens` lie in prefix-cache blocks that are already complete, so their KV must not be written
+    again (a whole prompt hit the cache and its last token is recomputed). `epoch` changes on preemption, so the
+    results of steps scheduled before it are recognised and dropped.
     """
 
     __slots__ = ("seq_id", "request_id", "prompt", "token_ids", "num_prompt_tokens", "params", "max_len",
-                 "sampling_seed", "status", "block_table", "num_cached_tokens", "num_shared_kv_tokens",
-                 "num_hashed_blocks", "num_inflight_tokens", "num_pending_tokens", "epoch", "last_sample_index", "row",
-                 "num_prefix_hit_tokens", "num_preemptions", "finish_reason", "error", "stop_text_len",
+                 "sampling_seed", "status", "block_table", "num_computed_tokens", "num_shared_kv_tokens",
+                 "num_hashed_blocks", "num_inflight_tokens", "num_pending_tokens", "epoch",
+                 "num_prefix_hit_tokens", "num_preemptions", "finish_reason", "error", "stop_text",
                  "arrival_time", "first_token_time", "finish_time")
 
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -42,19 +45,17 @@ class Sequence:
         self.sampling_seed = sampling_seed
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
-        self.num_cached_tokens = 0
+        self.num_computed_tokens = 0
         self.num_shared_kv_tokens = 0
         self.num_hashed_blocks = 0
         self.num_inflight_tokens = 0
         self.num_pending_tokens = 0
         self.epoch = 0
-        self.last_sample_index = -1  # row of this sequence in the newest step that samples for it
-        self.row = -1  # the runner's row of per-sequence step state (SequenceRows), from its first step on
         self.num_prefix_hit_tokens: int | None = None  # prompt tokens served by the prefix cache, first admission
         self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.error: str | None = None
-        self.stop_text_len: int | None = None  # output text is cut here when a stop string matched
+        self.stop_text: str | None = None  # the output text up to the stop string that ended it
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
@@ -76,23 +77,34 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_cached_tokens
-
-    @property
-    def num_scheduled_tokens(self) -> int:
-        """Tokens computed once every in-flight step completes."""
-        return self.num_cached_tokens + self.num_inflight_tokens
+        return len(self.token_ids) - self.num_computed_tokens
 
     @property
     def num_effective_tokens(self) -> int:
         """Tokens the sequence has once every in-flight step's sample is appended."""
         return len(self.token_ids) + self.num_pending_tokens
 
-    @property
-    def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
+    def start_step(self, num_new_tokens: int, samples: bool) -> None:
+        """A step was scheduled that computes `num_new_tokens` more and, when `samples`, draws a token."""
+        self.num_inflight_tokens += num_new_tokens
+        if samples:
+            self.num_pending_tokens += 1
 
-    def append_token(self, token_id: int) -> None:
-        self.token_ids.append(token_id)
-        if self.first_token_time is None:
-            self.first_token_time = time.perf_counter()
+    def commit_step(self, num_new_tokens: int, token_id: int | None) -> None:
+        """A step scheduled by `start_step` completed; `token_id` is its sample (None when it drew none)."""
+        self.num_inflight_tokens -= num_new_tokens
+        self.num_computed_tokens += num_new_tokens
+        if token_id is not None:
+            self.num_pending_tokens -= 1
+            self.token_ids.append(token_id)
+            if self.first_token_time is None:
+                self.first_token_time = time.perf_counter()
+
+    def preempt(self) -> None:
+        """Back to waiting, to be recomputed from its known tokens; the block manager has freed its KV. Steps in
+        flight for it are void (new epoch)."""
+        self.status = SequenceStatus.WAITING
+        self.num_inflight_tokens = 0
+        self.num_pending_tokens = 0
+        self.epoch += 1
+        self.num_preemptions += 1

@@ -1,4 +1,4 @@
-"""Honest timing (DESIGN §7): host phases by the host clock, device time by CUDA events on the executing stream,
+"""Honest timing (docs/ARCHITECTURE.md): host phases by the host clock, device time by CUDA events on the executing stream,
 throughput over the wall clock of the steps — never over an interval that leaves out device work."""
 from __future__ import annotations
 

@@ -1,14 +1,15 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
-from nanovllm.engine.model_runner import ModelRunner, StepHandle
-from nanovllm.engine.scheduler import ScheduledBatch, Scheduler
+from nanovllm.batch import ScheduledBatch
+from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.stats import EngineStats
-from nanovllm.engine.tp_workers import TPRunner
+from nanovllm.runner.inputs import StepHandle
+from nanovllm.runner.model_runner import ModelRunner
+from nanovllm.runner.tp_workers import TPRunner
 
 
 @dataclass
@@ -21,7 +22,7 @@ class LaunchedStep:
 
 
 class StepLoop:
-    """The only place that orders schedule -> execute -> postprocess (DESIGN §1, §6).
+    """The only place that orders schedule -> execute -> postprocess (docs/ARCHITECTURE.md).
 
     Sync: each step is scheduled, launched, awaited and postprocessed before the next one.
     Async (`overlap`): step N+1 is scheduled and launched before step N's tokens are awaited, so the host
@@ -29,15 +30,12 @@ class StepLoop:
     state, in-flight decodes feed their sampled ids to the next step on the device, and steps are committed in
     the order they were launched. Both orders use the same scheduler, runner and postprocess."""
 
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner | TPRunner, stats: EngineStats, overlap: bool,
-                 on_tokens: Callable[[list[Sequence]], None]):
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner | TPRunner, stats: EngineStats, overlap: bool):
         self.scheduler = scheduler
         self.runner = runner
         self.stats = stats
         self.overlap = overlap
-        self.on_tokens = on_tokens  # stop-string checks of sequences that just got a token
         self.in_flight: LaunchedStep | None = None
-        self.last_launched: StepHandle | None = None  # its samples may be the next step's inputs, on the device
 
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished() or self.in_flight is not None
@@ -45,16 +43,14 @@ class StepLoop:
     def step(self) -> list[Sequence]:
         """One iteration; returns the sequences that finished in it. The last in-flight step drains on the
         iteration after the scheduler runs dry."""
-        launched = self._launch(self.last_launched)
-        if launched:
-            self.last_launched = launched.handle
+        launched = self._launch()
         if self.overlap:
             done, self.in_flight = self.in_flight, launched
         else:
             done = launched
         return self._complete(done) if done else []
 
-    def _launch(self, previous: StepHandle | None) -> LaunchedStep | None:
+    def _launch(self) -> LaunchedStep | None:
         t0 = time.perf_counter()
         preemptions_before = self.scheduler.num_preemptions
         batch = self.scheduler.schedule()
@@ -62,7 +58,7 @@ class StepLoop:
         t1 = time.perf_counter()
         if not batch:
             return None
-        inputs = self.runner.prepare(batch, previous)
+        inputs = self.runner.prepare(batch)
         t2 = time.perf_counter()
         handle = self.runner.execute(inputs)
         t3 = time.perf_counter()
@@ -72,8 +68,7 @@ class StepLoop:
         t0 = time.perf_counter()
         tokens, device_s = self.runner.wait(step.handle)
         t1 = time.perf_counter()
-        updated = self.scheduler.postprocess(step.batch, tokens)
-        self.on_tokens(updated)
+        self.scheduler.postprocess(step.batch, tokens)
         finished = self.scheduler.take_finished()
         t2 = time.perf_counter()
         batch = step.batch

@@ -29,7 +29,7 @@ class LinearBase(nn.Module):
     `fused` (CUDA): decode-sized half-precision batches go through the skinny GEMM kernel, which joins the
     decode step's chain of programmatically launched kernels (kernels/pdl.py), instead of cuBLAS."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool, shard_dim: int | None, fused: bool = False):
+    def __init__(self, input_size: int, output_size: int, bias: bool, shard_dim: int, fused: bool = False):
         super().__init__()
         self.shard_dim = shard_dim
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
@@ -42,8 +42,7 @@ class LinearBase(nn.Module):
                 workspace(self.weight.device)
         self.weight.weight_loader = self.weight_loader
         full = [output_size, input_size]
-        if shard_dim is not None:
-            full[shard_dim] *= tp_size()
+        full[shard_dim] *= tp_size()
         self.weight.full_shape = tuple(full)
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
@@ -53,7 +52,7 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        if self.shard_dim is not None and not (param.dim() == 1 and self.shard_dim == 1):
+        if not (param.dim() == 1 and self.shard_dim == 1):
             size = param.shape[self.shard_dim]
             loaded = loaded.narrow(self.shard_dim, tp_rank() * size, size)
         param.data.copy_(loaded)
@@ -66,11 +65,6 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
-
-
-class ReplicatedLinear(LinearBase):
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        super().__init__(input_size, output_size, bias, shard_dim=None)
 
 
 class ColumnParallelLinear(LinearBase):

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from nanovllm.runner.step_buffers import SEQS, buffer
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -49,12 +51,12 @@ def exponential_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: 
 class SamplingTensors:
     """Per-row sampling settings of one step, already on the device."""
 
-    temperatures: torch.Tensor  # float32 [batch]; 0 = greedy
-    top_k: torch.Tensor  # int64 [batch]; vocab size = off
-    top_p: torch.Tensor  # float32 [batch]; 1 = off
-    min_p: torch.Tensor  # float32 [batch]; 0 = off
-    seeds: torch.Tensor  # int64 [batch]
-    positions: torch.Tensor  # int64 [batch]: index of the output token being drawn
+    temperatures: torch.Tensor = buffer(torch.float32, SEQS)  # [batch]; 0 = greedy
+    top_k: torch.Tensor = buffer(torch.int64, SEQS)  # [batch]; vocab size = off
+    top_p: torch.Tensor = buffer(torch.float32, SEQS)  # [batch]; 1 = off
+    min_p: torch.Tensor = buffer(torch.float32, SEQS)  # [batch]; 0 = off
+    seeds: torch.Tensor = buffer(torch.int64, SEQS)  # [batch]
+    sample_positions: torch.Tensor = buffer(torch.int64, SEQS)  # [batch]: index of the output token being drawn
     all_greedy: bool
     any_filter: bool
 
@@ -82,5 +84,5 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
         return greedy
     logits = logits.float()
     probs = filtered_probs(logits, t)
-    raced = (probs / exponential_noise(t.seeds, t.positions, logits.shape[1])).argmax(dim=-1)
+    raced = (probs / exponential_noise(t.seeds, t.sample_positions, logits.shape[1])).argmax(dim=-1)
     return torch.where(t.temperatures == 0, greedy, raced)

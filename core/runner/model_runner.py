@@ -1,59 +1,62 @@
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
 
 from nanovllm.attention import AttentionMetadata, select_backend
+from nanovllm.batch import ScheduledBatch
 from nanovllm.config import EngineConfig
 from nanovllm.distributed import min_over_ranks
-from nanovllm.engine.cuda_graphs import DecodeGraphs
-from nanovllm.engine.scheduler import ScheduledBatch
-from nanovllm.engine.step_buffers import DeviceBlockTables, Field, SequenceRows, StepBuffers
 from nanovllm.layers.sampler import SamplingTensors, sample
 from nanovllm.loaders import ResolvedModel, load_dummy_weights, load_safetensors_weights
 from nanovllm.models.llama import LlamaForCausalLM, head_dim_of, kv_block_bytes, kv_heads_per_rank
+from nanovllm.runner.cuda_graphs import DecodeGraphs
+from nanovllm.runner.inputs import StepHandle, StepInputs
+from nanovllm.runner.step_buffers import (
+    ROWS,
+    ROWS_PLUS_ONE,
+    SEQS,
+    TOKENS,
+    UPDATES,
+    DeviceBlockTables,
+    Field,
+    SequenceRows,
+    StepBuffers,
+    buffer_fields,
+    sliced_views,
+)
+
+_STEP_FIELDS = {f.name for f in fields(StepInputs)}
+_SAMPLING_FIELDS = {f.name for f in fields(SamplingTensors)}
 
 
-@dataclass
-class StepInputs:
-    """One step's device inputs; every tensor-parallel rank executes the same ones (tp_step.py sends them)."""
+def _slice_views(on_device: dict[str, torch.Tensor], num_tokens: int, padded_seqs: int, num_seqs: int) -> _Views:
+    views = sliced_views(StepInputs, on_device,
+                         {TOKENS: num_tokens, ROWS: padded_seqs, ROWS_PLUS_ONE: padded_seqs + 1, SEQS: num_seqs})
+    return _Views({name: view for name, view in views.items() if name in _STEP_FIELDS},
+                  {name: view for name, view in views.items() if name in _SAMPLING_FIELDS},
+                  on_device["input_ids"][:num_seqs])
 
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    slot_mapping: torch.Tensor
-    query_start_loc: torch.Tensor
-    seq_lens: torch.Tensor
-    rows: torch.Tensor  # each sequence's row of the block tables
-    table_updates: torch.Tensor  # [2, n] table entries new to the device (flat indices, block ids), applied first
-    logits_indices: torch.Tensor  # the last new token of each sequence
-    sampling: SamplingTensors
-    max_query_len: int
-    max_seq_len: int
-    decode_num_splits: int
-    graph_size: int | None  # replay the decode graph of this batch size instead of running eagerly
+
+def _slice_pending_views(on_device: dict[str, torch.Tensor], count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return on_device["pending_tokens"][:count], on_device["pending_sources"][:count]
+
+
+def _slice_table_update_views(on_device: dict[str, torch.Tensor], count: int) -> torch.Tensor:
+    return sliced_views(StepInputs, on_device, {UPDATES: count})["table_updates"]
 
 
 @dataclass(frozen=True)
-class _DeviceViews:
-    """Slices of the step buffers' device views for one step size (see ModelRunner._slice_device_views)."""
+class _Views:
+    """One step size's device views, split as StepInputs nests them (memoised: slicing a tensor is a torch
+    call, and a decode step of a given size recurs every step)."""
 
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    slot_mapping: torch.Tensor
-    query_start_loc: torch.Tensor
-    seq_lens: torch.Tensor
-    rows: torch.Tensor
+    step: dict[str, torch.Tensor]
+    sampling: dict[str, torch.Tensor]
     decode_input_ids: torch.Tensor  # one per sequence, padding excluded: where a steady decode's inputs go
-    logits_indices: torch.Tensor
-    temperatures: torch.Tensor
-    top_k: torch.Tensor
-    top_p: torch.Tensor
-    min_p: torch.Tensor
-    seeds: torch.Tensor
-    sample_positions: torch.Tensor
 
 
 @dataclass
@@ -66,15 +69,13 @@ class _OutputSlot:
 
 
 @dataclass
-class StepHandle:
-    """A launched step: sampled ids on the device, their pinned host copy, timing events, the copy's event, and
-    the number of the step-buffer upload the step read."""
+class _LastStep:
+    """The step launched last, as far as the next one needs it: its samples (on the device) feed the next step's
+    pending inputs. `index_of_row[r]` is the batch index the sequence of row r had in it (-1: not in it)."""
 
-    sampled: torch.Tensor
-    host: torch.Tensor | None
-    timing: tuple[torch.cuda.Event, torch.cuda.Event] | None
-    ready: torch.cuda.Event | None
-    upload: int
+    rows: np.ndarray
+    index_of_row: np.ndarray
+    sampled: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -124,15 +125,20 @@ class ModelRunner:
 
         self.max_batch_size = min(config.max_num_seqs, config.max_num_batched_tokens)
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
-        self.buffers = StepBuffers(self._step_fields(), self.device)
-        # Rows for twice the running sequences: finished ones are reclaimed in bulk, rarely.
+        self.buffers = StepBuffers(self._buffer_fields(), self.device)
+        # Rows for twice the running sequences: released ones may still be read by the step in flight.
         self.rows = SequenceRows(2 * self.max_batch_size, self.max_blocks_per_seq, self.vocab_size)
         self.tables = DeviceBlockTables(len(self.rows.host_tables), self.max_blocks_per_seq, self.device)
-        self._device_views = functools.lru_cache(maxsize=4096)(self._slice_device_views)
-        self._placeholder_views = functools.lru_cache(maxsize=1024)(self._slice_placeholder_views)
-        self._table_update_views = functools.lru_cache(maxsize=4096)(self._slice_table_update_views)
+        # Memoised slicing of the device views (a torch call per tensor, and a step of a given size recurs). The
+        # caches hold the views, not the runner, so that dropping the engine frees it without a garbage collection.
+        on_device = self.buffers.on_device
+        self._views = functools.lru_cache(maxsize=4096)(functools.partial(_slice_views, on_device))
+        self._pending_views = functools.lru_cache(maxsize=1024)(functools.partial(_slice_pending_views, on_device))
+        self._table_update_views = functools.lru_cache(maxsize=4096)(
+            functools.partial(_slice_table_update_views, on_device))
         self._rows_of: tuple[list, np.ndarray] = ([], np.zeros(0, dtype=np.int64))  # a batch's seqs, their rows
         self._arange = np.arange(self.max_batch_size + 1)
+        self._last = _LastStep(np.zeros(0, dtype=np.int64), np.full(len(self.rows.host_tables), -1, dtype=np.int64))
         if self.device.type == "cuda":
             self._output_slots = [
                 _OutputSlot(torch.empty(self.max_batch_size, dtype=torch.int64, pin_memory=True),
@@ -142,9 +148,21 @@ class ModelRunner:
             self._next_slot = 0
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager and backend.supports_cuda_graphs:
-            self.graphs = DecodeGraphs(self.model, self.buffers.on_device, self.tables, self.max_batch_size,
-                                       max_model_len, self.block_size,
-                                       lambda size: backend.decode_num_splits(size, max_model_len, self.num_kv_heads))
+            self.graphs = DecodeGraphs(self.model, self._graph_inputs, self.tables, self.max_batch_size,
+                                       max_model_len, self.block_size)
+
+    def release(self) -> None:
+        """Free the device memory (weights, KV cache, CUDA graphs, step buffers); the runner runs no more steps."""
+        if self.graphs is not None:
+            self.graphs.release()
+        self.model = self.kv_cache = self.graphs = self.tables = self.buffers = None
+        self._views = self._pending_views = self._table_update_views = self._last = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    @property
+    def released(self) -> bool:
+        return self.model is None
 
     # ---- KV cache --------------------------------------------------------------------------------------------
 
@@ -158,7 +176,7 @@ class ModelRunner:
         return self._profile_gpu_kv_blocks()
 
     def _profile_gpu_kv_blocks(self) -> int:
-        """DESIGN §3: warm up at the largest token batch, then give the cache what the memory budget leaves."""
+        """docs/ARCHITECTURE.md, KV budget: warm up at the largest token batch, then give the cache what the memory budget leaves."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         self._warmup_forward()
@@ -203,43 +221,61 @@ class ModelRunner:
 
     # ---- one step ----------------------------------------------------------------------------------------------
 
-    def _step_fields(self) -> list[Field]:
-        max_tokens, max_seqs = self.config.max_num_batched_tokens, self.max_batch_size
-        i64, i32, f32 = torch.int64, torch.int32, torch.float32
-        return [
-            Field("input_ids", i64, max_tokens), Field("positions", i64, max_tokens),
-            Field("slot_mapping", i64, max_tokens), Field("query_start_loc", i32, max_seqs + 1),
-            Field("seq_lens", i32, max_seqs), Field("rows", i64, max_seqs), Field("logits_indices", i64, max_seqs),
-            Field("placeholder_rows", i64, max_seqs), Field("placeholder_sources", i64, max_seqs),
-            Field("temperatures", f32, max_seqs), Field("top_k", i64, max_seqs), Field("top_p", f32, max_seqs),
-            Field("min_p", f32, max_seqs), Field("seeds", i64, max_seqs), Field("sample_positions", i64, max_seqs),
-            # Last, because it is uploaded only as far as it is used: block-table entries new to the device
-            # (n flat indices, then n block ids); at most every table of a full batch.
-            Field("table_updates", i32, 2 * max_seqs * self.max_blocks_per_seq),
-        ]
+    def _buffer_fields(self) -> list[Field]:
+        max_seqs = self.max_batch_size
+        layout = buffer_fields(StepInputs, {
+            TOKENS: self.config.max_num_batched_tokens, ROWS: max_seqs, ROWS_PLUS_ONE: max_seqs + 1, SEQS: max_seqs,
+            UPDATES: 2 * max_seqs * self.max_blocks_per_seq})  # at most every table of a full batch
+        # Scratch for the pending inputs' gather (see _gather_pending), before the table updates, which stay last.
+        layout[-1:-1] = [Field("pending_tokens", torch.int64, max_seqs), Field("pending_sources", torch.int64, max_seqs)]
+        return layout
 
-    def prepare(self, batch: ScheduledBatch, previous: StepHandle | None = None) -> StepInputs:
-        """Device inputs for `batch`. An input that `previous` (the step launched before, which may still be
-        running) samples is gathered on the device from that step's output: a position past a sequence's known
-        tokens, or every input of a batch that is `previous` one position further on.
+    def prepare(self, batch: ScheduledBatch) -> StepInputs:
+        """Device inputs for `batch`. A pending input (see ScheduledBatch) is taken on the device from the output
+        of the step launched before, which may still be running.
 
         Per sequence, only the row lookup is Python work; everything else is vectorised over the batch from the
         sequences' rows (block tables, sampling settings) and the batch's own lists."""
-        seqs = batch.seqs
-        num_seqs = len(seqs)
+        num_seqs = len(batch.seqs)
+        pure_decode = batch.num_tokens == num_seqs
         host = self.buffers.begin()
+        self.rows.release(batch.released_seq_ids)
         update_indices, update_blocks = self.rows.sync(batch.table_changed)
         num_updates = len(update_blocks)
-        if seqs is not self._rows_of[0]:  # the scheduler's steady decode steps reuse one list of sequences
-            self._rows_of = (seqs, np.fromiter([seq.row for seq in seqs], np.int64, num_seqs))
-        input_ids = batch.input_ids
-        num_tokens = len(input_ids)
-        pure_decode = num_tokens == num_seqs
+        rows = self._rows_for(batch.seqs)
         graph_size = self.graphs.batch_size_for(num_seqs) if self.graphs and pure_decode else None
         if graph_size is not None and num_updates > graph_size:
             graph_size = None  # a graph applies one table entry per row; a readmitted sequence may bring more
+        num_staged = self._stage_table_updates(host, update_indices, update_blocks, graph_size)
         padded_seqs = graph_size or num_seqs
-        # Table entries the step carries: a graph's fixed number (padded with writes to the sink row), or all.
+        # The usual steady decode: every input is the last step's sample of the same row, copied on the device.
+        copy_all = (len(batch.pending_inputs) == num_seqs and pure_decode
+                    and (rows is self._last.rows or np.array_equal(rows, self._last.rows)))
+        ends = self._fill_token_inputs(host, batch, rows, padded_seqs, copy_all)
+        all_greedy, any_filter = self._fill_sampling(host, rows, ends)
+        num_gathered = 0 if copy_all else self._stage_pending(host, batch, rows)
+        self._remember_rows(rows)
+        self.buffers.upload(2 * num_staged)
+
+        views = self._views(padded_seqs if graph_size else batch.num_tokens, padded_seqs, num_seqs)
+        if copy_all:
+            views.decode_input_ids.copy_(self._last.sampled)
+        elif num_gathered:
+            tokens, sources = self._pending_views(num_gathered)
+            views.step["input_ids"].index_put_((tokens,), self._last.sampled.index_select(0, sources))
+        max_seq_len = int(ends.max())
+        return StepInputs(
+            **views.step, table_updates=self._table_update_views(num_staged),
+            sampling=SamplingTensors(**views.sampling, all_greedy=all_greedy, any_filter=any_filter),
+            max_query_len=1 if pure_decode else max(batch.num_new_tokens), max_seq_len=max_seq_len,
+            decode_num_splits=self.backend.decode_num_splits(num_seqs, max_seq_len, self.num_kv_heads),
+            graph_size=graph_size)
+
+    def _stage_table_updates(self, host: dict[str, np.ndarray], update_indices: list[int], update_blocks: list[int],
+                             graph_size: int | None) -> int:
+        """The table entries the device lacks (flat indices, block ids), as the step carries them: a graph's
+        fixed number (padded with writes to the sink row), or all of them. Returns that number."""
+        num_updates = len(update_blocks)
         num_staged = graph_size or num_updates
         staged = host["table_updates"]
         staged[:num_updates] = update_indices
@@ -247,14 +283,25 @@ class ModelRunner:
         if num_staged > num_updates:
             staged[num_updates:num_staged] = self.tables.sink_index
             staged[num_staged + num_updates:2 * num_staged] = 0
+        return num_staged
 
+    def _rows_for(self, seqs: list) -> np.ndarray:
+        if seqs is not self._rows_of[0]:  # the scheduler's steady decode steps reuse one list of sequences
+            row_of = self.rows.row_of
+            self._rows_of = (seqs, np.fromiter([row_of[seq.seq_id] for seq in seqs], np.int64, len(seqs)))
+        return self._rows_of[1]
+
+    def _fill_token_inputs(self, host: dict[str, np.ndarray], batch: ScheduledBatch, rows: np.ndarray,
+                           padded_seqs: int, ids_on_device: bool) -> np.ndarray:
+        """Ids (unless `ids_on_device`), positions, KV slots, query starts, context lengths, logits indices and
+        the rows (graph padding included); returns each sequence's context length after the step."""
+        num_seqs, num_tokens = len(rows), batch.num_tokens
         host_rows = host["rows"][:padded_seqs]
-        host_rows[:num_seqs] = self._rows_of[1]
+        host_rows[:num_seqs] = rows
         host_rows[num_seqs:] = self.rows.padding_row
-        rows = host_rows[:num_seqs]
         starts = np.array(batch.start_positions, dtype=np.int64)
         query_start = host["query_start_loc"][:num_seqs + 1]
-        if pure_decode:
+        if num_tokens == num_seqs:
             query_start[:] = self._arange[:num_seqs + 1]
             positions, token_rows, ends = starts, rows, starts + 1
         else:
@@ -269,10 +316,8 @@ class ModelRunner:
         np.add(self.rows.host_tables[token_rows, positions // block_size] * block_size, positions % block_size,
                out=slots)
         slots[positions < self.rows.num_shared_kv_tokens[token_rows]] = -1  # complete shared blocks: no write
-        copy_previous_samples = batch.inputs_are_previous_samples
-        num_placeholders = 0 if copy_previous_samples else batch.num_placeholders
-        if not copy_previous_samples:
-            host["input_ids"][:num_tokens] = input_ids
+        if not ids_on_device:
+            host["input_ids"][:num_tokens] = batch.input_ids
         host["positions"][:num_tokens] = positions
         host["seq_lens"][:num_seqs] = ends
         np.subtract(query_start[1:], 1, out=host["logits_indices"][:num_seqs])
@@ -283,62 +328,53 @@ class ModelRunner:
             host["slot_mapping"][pad] = -1
             host["query_start_loc"][num_seqs + 1:padded_seqs + 1] = self._arange[num_tokens + 1:padded_seqs + 1]
             host["seq_lens"][pad] = 1
-        if num_placeholders:
-            sources = np.array(batch.placeholder_sources, dtype=np.int64)
-            placeholders = np.flatnonzero(sources >= 0)
-            host["placeholder_rows"][:num_placeholders] = query_start[placeholders + 1] - 1
-            host["placeholder_sources"][:num_placeholders] = sources[placeholders]
+        return ends
+
+    def _fill_sampling(self, host: dict[str, np.ndarray], rows: np.ndarray, ends: np.ndarray) -> tuple[bool, bool]:
+        """Each sequence's sampling settings, from its row; returns (all greedy, any top-k/top-p/min-p)."""
+        num_seqs = len(rows)
         temperatures = host["temperatures"][:num_seqs]
         np.take(self.rows.temperature, rows, out=temperatures)
-        all_greedy = not temperatures.any()
-        any_filter = False
-        if not all_greedy:
-            for name, values in (("top_k", self.rows.top_k), ("top_p", self.rows.top_p),
-                                 ("min_p", self.rows.min_p), ("seeds", self.rows.seed)):
-                np.take(values, rows, out=host[name][:num_seqs])
-            any_filter = bool((host["top_k"][:num_seqs] < self.vocab_size).any()
-                              or (host["top_p"][:num_seqs] < 1).any() or host["min_p"][:num_seqs].any())
-            # index of the output token each row draws: the token after the chunk's last position
-            np.subtract(ends, self.rows.num_prompt_tokens[rows], out=host["sample_positions"][:num_seqs])
-        self.buffers.upload(2 * num_staged)
+        if not temperatures.any():
+            return True, False
+        for name, values in (("top_k", self.rows.top_k), ("top_p", self.rows.top_p),
+                             ("min_p", self.rows.min_p), ("seeds", self.rows.seed)):
+            np.take(values, rows, out=host[name][:num_seqs])
+        any_filter = bool((host["top_k"][:num_seqs] < self.vocab_size).any()
+                          or (host["top_p"][:num_seqs] < 1).any() or host["min_p"][:num_seqs].any())
+        # index of the output token each row draws: the token after the chunk's last position
+        np.subtract(ends, self.rows.num_prompt_tokens[rows], out=host["sample_positions"][:num_seqs])
+        return False, any_filter
 
-        max_seq_len = int(ends.max())
-        views = self._device_views(padded_seqs if graph_size else num_tokens, padded_seqs, num_seqs)
-        if copy_previous_samples:
-            views.decode_input_ids.copy_(previous.sampled)
-        elif num_placeholders:
-            placeholder_rows, placeholder_sources = self._placeholder_views(num_placeholders)
-            views.input_ids.index_put_((placeholder_rows,), previous.sampled.index_select(0, placeholder_sources))
-        sampling = SamplingTensors(
-            temperatures=views.temperatures, top_k=views.top_k, top_p=views.top_p, min_p=views.min_p,
-            seeds=views.seeds, positions=views.sample_positions, all_greedy=all_greedy, any_filter=any_filter)
+    def _stage_pending(self, host: dict[str, np.ndarray], batch: ScheduledBatch, rows: np.ndarray) -> int:
+        """For each pending input, its token index in this step and its index in the last step's samples (by the
+        sequence's row); returns their number."""
+        count = len(batch.pending_inputs)
+        if count:
+            at = np.array(batch.pending_inputs, dtype=np.int64)
+            sources = self._last.index_of_row[rows[at]]
+            if (sources < 0).any():
+                raise RuntimeError("a pending input's sequence was not in the step launched before")
+            host["pending_tokens"][:count] = host["query_start_loc"][at + 1] - 1
+            host["pending_sources"][:count] = sources
+        return count
+
+    def _remember_rows(self, rows: np.ndarray) -> None:
+        last = self._last
+        last.index_of_row[last.rows] = -1
+        last.index_of_row[rows] = self._arange[:len(rows)]
+        last.rows = rows
+
+    def _graph_inputs(self, size: int) -> StepInputs:
+        """The step buffers' views for a decode graph of `size` rows, which it captures (what they hold is set
+        by DecodeGraphs)."""
+        views = self._views(size, size, size)
         return StepInputs(
-            input_ids=views.input_ids, positions=views.positions, slot_mapping=views.slot_mapping,
-            query_start_loc=views.query_start_loc, seq_lens=views.seq_lens, rows=views.rows,
-            table_updates=self._table_update_views(num_staged), logits_indices=views.logits_indices,
-            sampling=sampling, max_query_len=1 if pure_decode else max(batch.num_new_tokens),
-            max_seq_len=max_seq_len,
-            decode_num_splits=self.backend.decode_num_splits(num_seqs, max_seq_len, self.num_kv_heads),
-            graph_size=graph_size)
-
-    def _slice_device_views(self, num_rows: int, padded_seqs: int, num_seqs: int) -> _DeviceViews:
-        """The step buffers' device views for a step of these sizes (memoised: slicing a tensor is a torch
-        call, and a decode step of a given size recurs every step)."""
-        device = self.buffers.on_device
-        per_row = {name: device[name][:num_rows] for name in ("input_ids", "positions", "slot_mapping")}
-        per_seq = {name: device[name][:num_seqs] for name in ("logits_indices", "temperatures", "top_k", "top_p",
-                                                              "min_p", "seeds", "sample_positions")}
-        return _DeviceViews(**per_row, **per_seq, query_start_loc=device["query_start_loc"][:padded_seqs + 1],
-                            seq_lens=device["seq_lens"][:padded_seqs], rows=device["rows"][:padded_seqs],
-                            decode_input_ids=device["input_ids"][:num_seqs])
-
-    def _slice_placeholder_views(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        device = self.buffers.on_device
-        return device["placeholder_rows"][:count], device["placeholder_sources"][:count]
-
-    def _slice_table_update_views(self, count: int) -> torch.Tensor:
-        return self.buffers.on_device["table_updates"][:2 * count].view(2, count)
-
+            **views.step, table_updates=self._table_update_views(size),
+            sampling=SamplingTensors(**views.sampling, all_greedy=True, any_filter=False), max_query_len=1,
+            max_seq_len=self.max_model_len,
+            decode_num_splits=self.backend.decode_num_splits(size, self.max_model_len, self.num_kv_heads),
+            graph_size=size)
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> StepHandle:
         """Launch forward + sampling and return at once (on the CPU the work is done by the time it returns).
@@ -346,14 +382,15 @@ class ModelRunner:
         The sampled ids are copied to pinned host memory behind an event; `wait` blocks on that event only."""
         upload = self.buffers.num_uploads  # the step's inputs are the latest upload
         if self.device.type == "cpu":
-            return StepHandle(self._forward_and_sample(inputs), None, None, None, upload)
+            self._last.sampled = self._forward_and_sample(inputs)
+            return StepHandle(self._last.sampled, None, None, None, upload)
         # The step loop waits for step N before it launches step N+2: two output slots are never both in use.
         slot = self._output_slots[self._next_slot]
         self._next_slot ^= 1
         start, end = slot.timing
         stream = self.buffers.stream
         start.record(stream)
-        sampled = self._forward_and_sample(inputs)
+        sampled = self._last.sampled = self._forward_and_sample(inputs)
         end.record(stream)
         host = slot.host[:len(sampled)]
         host.copy_(sampled, non_blocking=True)

@@ -18,11 +18,12 @@ class StopStringDetector:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def check(self, seq: Sequence) -> bool:
-        """Advance `seq`'s text by its newest tokens; True when a stop string appeared (sets `stop_text_len`)."""
+    def check(self, seq: Sequence) -> str | None:
+        """Advance `seq`'s text by its newest tokens; when a stop string appeared, the text before it."""
         text, prefix, read = self.state.get(
             seq.seq_id, ("", max(seq.num_prompt_tokens - self.CONTEXT_TOKENS, 0), seq.num_prompt_tokens))
         ids = seq.token_ids
+        stop_at = None
         before = self._decode(ids[prefix:read])
         after = self._decode(ids[prefix:])
         if len(after) > len(before) and not after.endswith("\ufffd"):
@@ -32,13 +33,10 @@ class StopStringDetector:
             prefix, read = read, len(ids)
             for stop in seq.params.stop:
                 index = text.find(stop, max(searched_from - len(stop) + 1, 0))
-                if index >= 0 and (seq.stop_text_len is None or index < seq.stop_text_len):
-                    seq.stop_text_len = index
+                if index >= 0 and (stop_at is None or index < stop_at):
+                    stop_at = index
         self.state[seq.seq_id] = (text, prefix, read)
-        return seq.stop_text_len is not None
-
-    def text(self, seq: Sequence) -> str:
-        return self.state[seq.seq_id][0]
+        return None if stop_at is None else text[:stop_at]
 
     def forget(self, seq: Sequence) -> None:
         self.state.pop(seq.seq_id, None)

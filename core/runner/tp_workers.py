@@ -1,4 +1,4 @@
-"""Tensor parallelism over processes (DESIGN §9).
+"""Tensor parallelism over processes (docs/ARCHITECTURE.md).
 
 Rank 0 is the calling process: it owns the scheduler, the tokenizer and the outputs. Ranks 1..N-1 are spawned
 worker processes that build the same model on their shard, then execute every step rank 0 launches:
@@ -37,6 +37,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
+from nanovllm.batch import ScheduledBatch
 from nanovllm.config import EngineConfig
 from nanovllm.distributed import (
     COLLECTIVE_TIMEOUT,
@@ -45,10 +46,10 @@ from nanovllm.distributed import (
     init_tp_group,
     tp_size,
 )
-from nanovllm.engine.model_runner import ModelRunner, StepHandle, StepInputs
-from nanovllm.engine.scheduler import ScheduledBatch
-from nanovllm.engine.tp_step import pack, unpack
 from nanovllm.loaders import ResolvedModel
+from nanovllm.runner.inputs import StepHandle, StepInputs
+from nanovllm.runner.model_runner import ModelRunner
+from nanovllm.runner.tp_step import pack, unpack
 
 _HOST = "127.0.0.1"
 _STOP, _STEP = 0, 1  # first word of a message from rank 0
@@ -264,9 +265,9 @@ class TPRunner:
         self.runner = runner
         self.workers = workers
 
-    def prepare(self, batch: ScheduledBatch, previous: StepHandle | None = None) -> StepInputs:
+    def prepare(self, batch: ScheduledBatch) -> StepInputs:
         with self.workers.guard():  # a stopped engine's sequences may wait on steps that never ran
-            return self.runner.prepare(batch, previous)
+            return self.runner.prepare(batch)
 
     def execute(self, inputs: StepInputs) -> StepHandle:
         with self.workers.guard():

@@ -1,4 +1,4 @@
-"""CUDA graphs of the pure-decode forward (DESIGN §6): one per batch size of a ladder, replayed with padding.
+"""CUDA graphs of the pure-decode forward (docs/ARCHITECTURE.md): one per batch size of a ladder, replayed with padding.
 
 A decode step of a few hundred sequences is hundreds of small kernels; replaying a captured graph removes their
 launch cost. The graphs read the step's inputs from the runner's fixed device buffers (`StepBuffers`), so a
@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
 from nanovllm.attention import AttentionMetadata
 from nanovllm.distributed import before_tp_group_destroyed, tp_size
-from nanovllm.engine.step_buffers import DeviceBlockTables
+from nanovllm.runner.inputs import StepInputs
+from nanovllm.runner.step_buffers import DeviceBlockTables, buffer_specs
 
-if TYPE_CHECKING:
-    from nanovllm.engine.model_runner import StepInputs
+# The step inputs a decode graph reads; a tensor-parallel worker, which receives them elsewhere, copies them in.
+_GRAPH_FIELDS = [name for name, f in buffer_specs(StepInputs) if f.metadata["graph"]]
 
 
 def batch_size_ladder(max_batch_size: int) -> list[int]:
@@ -28,37 +28,31 @@ def batch_size_ladder(max_batch_size: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model, buffers: dict[str, torch.Tensor], tables: DeviceBlockTables, max_batch_size: int,
-                 max_seq_len: int, block_size: int, num_splits_for: Callable[[int], int]):
+    def __init__(self, model, inputs_for: Callable[[int], StepInputs], tables: DeviceBlockTables,
+                 max_batch_size: int, max_seq_len: int, block_size: int):
         self.sizes = batch_size_ladder(max_batch_size)
+        largest = inputs_for(max_batch_size)
         # The block tables a replay reads: full width, since a graph is captured once for every context length.
         self.block_tables = torch.zeros(max_batch_size, -(-max_seq_len // block_size), dtype=torch.int32,
-                                        device=buffers["input_ids"].device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...], torch.Tensor]] = {}
+                                        device=largest.input_ids.device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, StepInputs, torch.Tensor]] = {}
         # Safe contents while capturing: one token per row, no KV written, row 0's table (all zeros yet).
-        buffers["input_ids"].zero_()
-        buffers["positions"].zero_()
-        buffers["slot_mapping"].fill_(-1)
-        buffers["seq_lens"].fill_(1)
-        buffers["rows"].zero_()
-        buffers["query_start_loc"].copy_(torch.arange(len(buffers["query_start_loc"]), dtype=torch.int32))
+        largest.input_ids.zero_()
+        largest.positions.zero_()
+        largest.slot_mapping.fill_(-1)
+        largest.seq_lens.fill_(1)
+        largest.rows.zero_()
+        largest.query_start_loc.copy_(torch.arange(max_batch_size + 1, dtype=torch.int32))
         pool = None
         with torch.inference_mode():
             for size in reversed(self.sizes):  # largest first: the smaller graphs reuse its memory pool
+                inputs = inputs_for(size)
                 meta = AttentionMetadata(
-                    slot_mapping=buffers["slot_mapping"][:size],
-                    query_start_loc=buffers["query_start_loc"][:size + 1],
-                    seq_lens=buffers["seq_lens"][:size],
-                    block_tables=self.block_tables[:size],
-                    max_query_len=1,
-                    max_seq_len=max_seq_len,
-                    decode_num_splits=num_splits_for(size),
-                )
-                updates = buffers["table_updates"][:2 * size].view(2, size)
-                updates[0].fill_(tables.sink_index)
-                updates[1].zero_()
-                inputs = (buffers["input_ids"][:size], buffers["positions"][:size], meta.slot_mapping,
-                          meta.seq_lens, buffers["rows"][:size], updates)
+                    slot_mapping=inputs.slot_mapping, query_start_loc=inputs.query_start_loc,
+                    seq_lens=inputs.seq_lens, block_tables=self.block_tables[:size], max_query_len=1,
+                    max_seq_len=max_seq_len, decode_num_splits=inputs.decode_num_splits)
+                inputs.table_updates[0].fill_(tables.sink_index)
+                inputs.table_updates[1].zero_()
                 _decode_step(model, tables, inputs, meta)  # compile and initialise outside the capture
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
@@ -84,18 +78,15 @@ class DecodeGraphs:
         prepares them in the captured buffers already; a tensor-parallel worker receives them elsewhere and they
         are copied in."""
         graph, captured, logits = self.graphs[size]
-        if inputs is not None and inputs.input_ids.data_ptr() != captured[0].data_ptr():  # all in place, or none
-            for source, target in zip((inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.seq_lens,
-                                       inputs.rows, inputs.table_updates), captured):
-                target.copy_(source)
+        if inputs is not None and inputs.input_ids.data_ptr() != captured.input_ids.data_ptr():  # all or none
+            for name in _GRAPH_FIELDS:
+                getattr(captured, name).copy_(getattr(inputs, name))
         graph.replay()
         return logits
 
 
-def _decode_step(model, tables: DeviceBlockTables, inputs: tuple[torch.Tensor, ...],
-                 meta: AttentionMetadata) -> torch.Tensor:
+def _decode_step(model, tables: DeviceBlockTables, inputs: StepInputs, meta: AttentionMetadata) -> torch.Tensor:
     """What a graph runs: apply the table updates, gather the rows' tables, forward, logits."""
-    input_ids, positions, _, _, rows, updates = inputs
-    tables.apply(updates)
-    tables.gather(rows, out=meta.block_tables)
-    return model.compute_logits(model(input_ids, positions, meta))
+    tables.apply(inputs.table_updates)
+    tables.gather(inputs.rows, out=meta.block_tables)
+    return model.compute_logits(model(inputs.input_ids, inputs.positions, meta))

@@ -1,4 +1,4 @@
-"""A step's inputs in a form that reaches the other tensor-parallel ranks cheaply (DESIGN §9).
+"""A step's inputs in a form that reaches the other tensor-parallel ranks cheaply (docs/ARCHITECTURE.md).
 
 `pack` flattens a (nested) dataclass such as StepInputs into a short header of ints — per field a tag, then a
 tensor's dtype and shape or a scalar's value — and one byte payload that holds every tensor's bytes (8-aligned),

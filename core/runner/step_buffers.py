@@ -1,23 +1,54 @@
-"""Host-to-device plumbing of step inputs, built for a small per-step host cost (DESIGN §6).
+"""Host-to-device plumbing of step inputs, built for a small per-step host cost (docs/ARCHITECTURE.md).
 
-`StepBuffers` lays every per-step array out at a fixed offset of one byte buffer that exists twice: in pinned
-host memory (double-buffered, so the host fills one while the other's copy may still be queued) and on the
-device. A step is one memcpy; the device views have fixed addresses, which is what CUDA graphs capture.
-`SequenceRows` (rank 0's host side) gives each running sequence a row that it keeps while it runs: its block table
+A step's device inputs are declared once, as the tensor fields of `StepInputs` (and the dataclasses nested in
+it), each with `buffer(dtype, extent)` metadata; `buffer_fields` turns that declaration into the buffers' layout
+and `sliced_views` into one step's views. `StepBuffers` lays every per-step array out at a fixed offset of one
+byte buffer that exists twice: in pinned host memory (double-buffered, so the host fills one while the other's
+copy may still be queued) and on the device. A step is one memcpy; the device views have fixed addresses, which
+is what CUDA graphs capture. `SequenceRows` (rank 0's host side, owned by the runner) gives each running sequence
+a row that it keeps while it runs: its block table
 and the settings that do not change while it runs (sampling, prompt length), so a step gathers them by row instead
 of rebuilding them from Python objects. `DeviceBlockTables` (every rank) mirrors the tables on the device; a step
 carries only the entries added since the previous step.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
+import typing
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from nanovllm.engine.sequence import Sequence, SequenceStatus
+if TYPE_CHECKING:
+    from nanovllm.engine.sequence import Sequence
 
 _ALIGN = 64
+
+# How far a step input extends, in a step of `tokens` input tokens (padding included), `rows` sequences (a
+# graph's padded batch size) of which `seqs` are real, and `updates` block-table entries.
+TOKENS, ROWS, ROWS_PLUS_ONE, SEQS, UPDATES = "tokens", "rows", "rows+1", "seqs", "updates"
+
+
+def buffer(dtype: torch.dtype, extent: str, graph: bool = False):
+    """A dataclass field that is a step-buffer view: its dtype, its extent (one of the constants above), and
+    whether a CUDA graph of a decode step reads it (a tensor-parallel worker copies those into the graph's)."""
+    return dataclasses.field(metadata={"dtype": dtype, "extent": extent, "graph": graph})
+
+
+@functools.cache
+def buffer_specs(cls: type) -> tuple[tuple[str, dataclasses.Field], ...]:
+    """(name, field) of every buffer field of `cls` and of the dataclasses nested in it, in declaration order."""
+    hints = typing.get_type_hints(cls)
+    specs: tuple[tuple[str, dataclasses.Field], ...] = ()
+    for f in dataclasses.fields(cls):
+        if "extent" in f.metadata:
+            specs += ((f.name, f),)
+        elif dataclasses.is_dataclass(hints[f.name]):
+            specs += buffer_specs(hints[f.name])
+    return specs
 
 
 @dataclass(frozen=True)
@@ -25,6 +56,25 @@ class Field:
     name: str
     dtype: torch.dtype
     length: int
+
+
+def buffer_fields(cls: type, max_lengths: dict[str, int]) -> list[Field]:
+    """The step-buffer layout of `cls`'s buffer fields, each as long as its extent can get."""
+    return [Field(name, f.metadata["dtype"], max_lengths[f.metadata["extent"]]) for name, f in buffer_specs(cls)]
+
+
+def sliced_views(cls: type, on_device: dict[str, torch.Tensor], lengths: dict[str, int]) -> dict[str, torch.Tensor]:
+    """The device views of `cls`'s buffer fields whose extent `lengths` gives, as long as one step uses them
+    (table updates as [2, n]: flat indices, then block ids)."""
+    views = {}
+    for name, f in buffer_specs(cls):
+        extent = f.metadata["extent"]
+        if extent == UPDATES and extent in lengths:
+            count = lengths[extent]
+            views[name] = on_device[name][:2 * count].view(2, count)
+        elif extent in lengths:
+            views[name] = on_device[name][:lengths[extent]]
+    return views
 
 
 class StepBuffers:
@@ -97,18 +147,18 @@ class StepBuffers:
 
 @dataclass
 class _Row:
-    seq: Sequence  # its row is `seq.row`
+    index: int
     epoch: int
     num_synced: int  # leading block-table entries already in the row
 
 
 class SequenceRows:
     """Per-sequence step state of running sequences, one row each, on rank 0's host (the last row is never
-    assigned: graph padding entries use it; its table is all zeros). A sequence's row is `seq.row` while it runs.
+    assigned: graph padding entries use it; its table is all zeros). `row_of[seq_id]` is a sequence's row.
 
     A row is (re)filled when its sequence is admitted (first time, or after a preemption: new epoch, new table,
-    new prefix hits); a row whose sequence stopped running is reclaimed when rows run out. Between those, a
-    sequence's table only grows, and only the sequences whose table changed for a step are looked at, to find
+    new prefix hits) and freed when the scheduler releases the sequence (finished or preempted). Between those,
+    a sequence's table only grows, and only the sequences whose table changed for a step are looked at, to find
     the entries the device tables lack."""
 
     def __init__(self, max_rows: int, max_blocks_per_seq: int, vocab_size: int):
@@ -124,8 +174,18 @@ class SequenceRows:
         self.num_prompt_tokens = np.zeros(rows, dtype=np.int64)
         self.num_shared_kv_tokens = np.zeros(rows, dtype=np.int64)  # KV below this is in shared, complete blocks
         self._vocab_size = vocab_size
-        self._rows: dict[int, _Row] = {}  # seq_id -> row
+        self._rows: dict[int, _Row] = {}  # seq_id -> its row's state
+        self.row_of: dict[int, int] = {}  # seq_id -> row
         self._free = list(range(max_rows - 1, -1, -1))
+
+    def release(self, seq_ids: list[int]) -> None:
+        """Free the rows of sequences that stopped running (steps in flight still read them on the device, and
+        a row refilled now is written there only by a later step)."""
+        for seq_id in seq_ids:
+            entry = self._rows.pop(seq_id, None)
+            if entry is not None:
+                del self.row_of[seq_id]
+                self._free.append(entry.index)
 
     def sync(self, changed: list[Sequence]) -> tuple[list[int], list[int]]:
         """Bring the rows of `changed` (admitted, or whose table grew) up to date on the host. Returns the table
@@ -140,7 +200,7 @@ class SequenceRows:
             table = seq.block_table
             synced = entry.num_synced
             if len(table) > synced:
-                base = seq.row * width
+                base = entry.index * width
                 flat_indices += range(base + synced, base + len(table))
                 blocks += table[synced:]
                 entry.num_synced = len(table)
@@ -151,12 +211,13 @@ class SequenceRows:
     def _refill(self, seq: Sequence, entry: _Row | None) -> _Row:
         if entry is None:
             if not self._free:
-                self._reclaim()
-            seq.row = self._free.pop()
-            entry = _Row(seq, seq.epoch, 0)
+                raise RuntimeError("more running sequences than rows: a finished or preempted sequence was not "
+                                   "released")
+            entry = _Row(self._free.pop(), seq.epoch, 0)
             self._rows[seq.seq_id] = entry
+            self.row_of[seq.seq_id] = entry.index
         entry.epoch, entry.num_synced = seq.epoch, 0
-        row, params = seq.row, seq.params
+        row, params = entry.index, seq.params
         self.temperature[row] = params.temperature
         self.top_k[row] = params.top_k if params.top_k > 0 else self._vocab_size
         self.top_p[row] = params.top_p
@@ -165,14 +226,6 @@ class SequenceRows:
         self.num_prompt_tokens[row] = seq.num_prompt_tokens
         self.num_shared_kv_tokens[row] = seq.num_shared_kv_tokens
         return entry
-
-    def _reclaim(self) -> None:
-        for seq_id, entry in list(self._rows.items()):
-            if entry.seq.status is not SequenceStatus.RUNNING:
-                del self._rows[seq_id]
-                self._free.append(entry.seq.row)
-        if not self._free:
-            raise RuntimeError("more running sequences than rows")
 
 
 class DeviceBlockTables:

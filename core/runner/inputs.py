@@ -1,0 +1,44 @@
+"""The device side's step types: what a step reads on the device (`StepInputs`) and a launched step (`StepHandle`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nanovllm.layers.sampler import SamplingTensors
+from nanovllm.runner.step_buffers import ROWS, ROWS_PLUS_ONE, SEQS, TOKENS, UPDATES, buffer
+
+
+@dataclass
+class StepInputs:
+    """One step's device inputs, the only declaration of them: the step buffers' layout, a step's views of them,
+    the decode graphs' inputs and what tensor-parallel ranks receive (tp_step.py) all follow these fields. Every
+    rank executes the same ones. Tensors are views of the step buffers (`buffer` says their extent)."""
+
+    input_ids: torch.Tensor = buffer(torch.int64, TOKENS, graph=True)
+    positions: torch.Tensor = buffer(torch.int64, TOKENS, graph=True)
+    slot_mapping: torch.Tensor = buffer(torch.int64, TOKENS, graph=True)  # cache slot per token; -1 = no write
+    query_start_loc: torch.Tensor = buffer(torch.int32, ROWS_PLUS_ONE)
+    seq_lens: torch.Tensor = buffer(torch.int32, ROWS, graph=True)
+    rows: torch.Tensor = buffer(torch.int64, ROWS, graph=True)  # each sequence's row of the block tables
+    logits_indices: torch.Tensor = buffer(torch.int64, SEQS)  # the last new token of each sequence
+    sampling: SamplingTensors
+    # [2, n] table entries new to the device (flat indices, then block ids), applied first. Last in the layout:
+    # it is uploaded only as far as a step uses it.
+    table_updates: torch.Tensor = buffer(torch.int32, UPDATES, graph=True)
+    max_query_len: int
+    max_seq_len: int
+    decode_num_splits: int
+    graph_size: int | None  # replay the decode graph of this batch size instead of running eagerly
+
+
+@dataclass
+class StepHandle:
+    """A launched step: sampled ids on the device, their pinned host copy, timing events, the copy's event, and
+    the number of the step-buffer upload the step read."""
+
+    sampled: torch.Tensor
+    host: torch.Tensor | None
+    timing: tuple[torch.cuda.Event, torch.cuda.Event] | None
+    ready: torch.cuda.Event | None
+    upload: int
