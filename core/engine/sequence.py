@@ -2,8 +2,12 @@ from __future__ import annotations
 
 import time
 from enum import Enum, auto
+from typing import TYPE_CHECKING
 
 from nanovllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from nanovllm.structured import CompileFuture, RowGrammar
 
 
 class SequenceStatus(Enum):
@@ -31,7 +35,7 @@ class Sequence:
                  "sampling_seed", "status", "block_table", "num_computed_tokens", "num_shared_kv_tokens",
                  "num_hashed_blocks", "num_inflight_tokens", "num_pending_tokens", "epoch",
                  "num_prefix_hit_tokens", "num_preemptions", "finish_reason", "error", "stop_text",
-                 "arrival_time", "first_token_time", "finish_time")
+                 "arrival_time", "first_token_time", "finish_time", "grammar_future", "grammar")
 
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  sampling_seed: int, prompt: str | None = None):
@@ -59,6 +63,10 @@ class Sequence:
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
+        # Structured outputs: the constraint's compile (set on arrival), then, from admission on, the row's matcher,
+        # which only the scheduler advances (postprocess); the runner reads it through the batch to fill masks.
+        self.grammar_future: CompileFuture | None = None
+        self.grammar: RowGrammar | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -12,6 +12,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for_futures
 from dataclasses import dataclass
 
 import xgrammar as xgr
@@ -48,6 +49,10 @@ class CompileFuture:
     def ready(self) -> bool:
         """Whether the compile has finished (with a grammar or an error); never blocks."""
         return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the compile has finished (with a grammar or an error), or `timeout` seconds."""
+        wait_for_futures([self._future], timeout)
 
     def result(self, timeout: float | None = None) -> CompiledConstraint:
         """The compiled constraint; raises ConstraintError if it is invalid. Blocks until ready."""
