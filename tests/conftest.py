@@ -48,3 +48,23 @@ def smollm_dir():
     from nanovllm.loaders.resolve import default_model_path
 
     return gguf_to_hf_dir(default_model_path())
+
+
+@pytest.fixture(scope="session")
+def text_model(tmp_path_factory, smollm_dir):
+    """A tiny random Llama with SmolLM2's vocabulary, tokenizer and chat template (fast, and its wide init
+    keeps greedy choices clear of near-ties)."""
+    import shutil
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    directory = tmp_path_factory.mktemp("tiny-text-model")
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                         bos_token_id=1, eos_token_id=2, initializer_range=0.15, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (smollm_dir / name).exists():
+            shutil.copy(smollm_dir / name, directory / name)
+    return str(directory)

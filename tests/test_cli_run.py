@@ -5,12 +5,10 @@ a tiny random Llama with SmolLM2's tokenizer and chat template (fast, and its wi
 clear of near-ties); one runs the embedded default model as `make run` does.
 """
 import json
-import shutil
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from nanovllm import LLM, SamplingParams
@@ -55,23 +53,6 @@ def read_records(path, id_key="id"):
     by_id = {row[id_key]: row for row in rows}
     assert len(by_id) == len(rows), "an id appears twice"
     return by_id
-
-
-@pytest.fixture(scope="module")
-def text_model(tmp_path_factory, smollm_dir):
-    """A tiny random Llama with SmolLM2's vocabulary, tokenizer and chat template."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    directory = tmp_path_factory.mktemp("tiny-text-model")
-    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
-                         bos_token_id=1, eos_token_id=2, initializer_range=0.15, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(directory)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (smollm_dir / name).exists():
-            shutil.copy(smollm_dir / name, directory / name)
-    return str(directory)
 
 
 def reference(model, rows, engine=None, max_tokens=MAX_TOKENS, seed=0):
@@ -131,7 +112,8 @@ def test_every_row_form_matches_the_python_api(text_model, expected, tmp_path):
     records = read_records(out)
     assert_matches(records, expected)
     assert list(records["4"]) == ["id", "text", "finish_reason", "prompt_tokens", "completion_tokens",
-                                  "cached_tokens", "error", "prompt_token_ids", "token_ids"]
+                                  "cached_tokens", "error", "structured_complete", "prompt_token_ids",
+                                  "token_ids"]
     assert records["4"]["completion_tokens"] <= 3 and records["chat-tea"]["completion_tokens"] <= 6
     assert records["chat-tea"]["cached_tokens"] >= 16  # shares the system prompt with chat-sky
 

@@ -35,6 +35,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens served by the prefix cache
     error: str | None = None
+    invalid_request: bool = False  # the error is the request's fault (HTTP 400), not the engine's (500)
     # Structured outputs: whether the output is a complete match of the constraint (None: unconstrained). False
     # when it was cut (max_tokens, a stop string): the text may not parse.
     structured_complete: bool | None = None
@@ -183,7 +184,7 @@ class LLM:
             request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens],
             text=text, token_ids=seq.output_token_ids, finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_prefix_hit_tokens or 0,
-            error=seq.error, arrival_time=seq.arrival_time, first_token_time=seq.first_token_time,
+            error=seq.error, invalid_request=seq.invalid_request, arrival_time=seq.arrival_time, first_token_time=seq.first_token_time,
             finish_time=seq.finish_time,
             structured_complete=None if seq.grammar_future is None else (
                 seq.grammar is not None and seq.grammar.is_completed()))

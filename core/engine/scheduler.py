@@ -255,6 +255,7 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = "error"
         seq.error = message
+        seq.invalid_request = True
         self.finished.append(seq)
 
     @staticmethod

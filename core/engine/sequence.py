@@ -34,7 +34,7 @@ class Sequence:
     __slots__ = ("seq_id", "request_id", "prompt", "token_ids", "num_prompt_tokens", "params", "max_len",
                  "sampling_seed", "status", "block_table", "num_computed_tokens", "num_shared_kv_tokens",
                  "num_hashed_blocks", "num_inflight_tokens", "num_pending_tokens", "epoch",
-                 "num_prefix_hit_tokens", "num_preemptions", "finish_reason", "error", "stop_text",
+                 "num_prefix_hit_tokens", "num_preemptions", "finish_reason", "error", "invalid_request", "stop_text",
                  "arrival_time", "first_token_time", "finish_time", "grammar_future", "grammar")
 
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -59,6 +59,7 @@ class Sequence:
         self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.error: str | None = None
+        self.invalid_request = False  # the error is the request's own (a constraint that does not compile)
         self.stop_text: str | None = None  # the output text up to the stop string that ended it
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None

@@ -43,7 +43,9 @@ def exponential_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: 
     row_keys = _mix(seeds * _GOLDEN + positions)
     vocab = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
     bits = _mix(row_keys.unsqueeze(1) + vocab * _GOLDEN)
-    uniform = (_shift_right(bits, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1)
+    # In (0, 1): the top value, (2^24 - 0.5) / 2^24, rounds to 1.0 in float32 and would give a noise of 0, so a
+    # token of probability 0 (filtered or masked out) would race 0 / 0 = NaN, which argmax picks.
+    uniform = ((_shift_right(bits, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))).clamp_max_(1 - 2 ** -24)
     return -torch.log(uniform)
 
 
