@@ -91,8 +91,9 @@ def run(
     for the constraint) override the defaults below.
 
     **Output**: {"id", "text", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "error",
-    "structured_complete"} per row (structured_complete false: cut by max_tokens, the text may not parse); OpenAI batch output lines for OpenAI input. A bad row gets an error record naming the row and the
-    problem, and every other row still runs.
+    "structured_complete"} per row (structured_complete false: cut by max_tokens, the text may not parse);
+    OpenAI batch output lines for OpenAI input. A bad row gets an error record naming the row and the problem,
+    and every other row still runs.
 
     **Exit codes**: 0 every row succeeded; 1 some rows failed (their error records are written, every other row
     answered); 2 usage error (nothing run); 3 internal error mid-job; 130 interrupted. After 3 or 130, or a

@@ -35,7 +35,7 @@ BOUNDED_SCHEMA = {
 }
 CHOICES = ["red", "green", "blue light"]
 REGEX = r"[a-c]{2,4}-[0-9]{1,3}"
-PROMPTS = ["Describe a pet:", "Answer in JSON.", "Colour?", "Code:", "Once upon a time", "The weather is"]
+PROMPTS = ["Describe a pet:", "Answer in JSON.", "Colour?", "Code:"]
 ENGINE = {"max_model_len": 512, "max_num_seqs": 16}
 
 

@@ -184,8 +184,8 @@ class LLM:
             request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens],
             text=text, token_ids=seq.output_token_ids, finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_prefix_hit_tokens or 0,
-            error=seq.error, invalid_request=seq.invalid_request, arrival_time=seq.arrival_time, first_token_time=seq.first_token_time,
-            finish_time=seq.finish_time,
+            error=seq.error, invalid_request=seq.invalid_request, arrival_time=seq.arrival_time,
+            first_token_time=seq.first_token_time, finish_time=seq.finish_time,
             structured_complete=None if seq.grammar_future is None else (
                 seq.grammar is not None and seq.grammar.is_completed()))
 
