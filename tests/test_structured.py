@@ -26,10 +26,10 @@ PAD = 37  # the model's vocabulary exceeds the tokenizer's (and is not a multipl
 
 
 @pytest.fixture(scope="module")
-def tokenizer(smollm_dir):
+def tokenizer(smollm_tokenizer_dir):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(smollm_dir))
+    return AutoTokenizer.from_pretrained(str(smollm_tokenizer_dir))
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+import torch
 from helpers import make_seq
 
 from nanovllm import LLM, SamplingParams
@@ -100,6 +101,22 @@ def test_every_constraint_kind_sync_and_async_give_valid_identical_outputs(llm):
     mixed = [o for (kind, _, _), o in zip(rows, outputs) if kind == "free"]
     assert [o.token_ids for o in alone] == [o.token_ids for o in mixed]
     assert llm.grammar_compile_cache().num_compiles == 5  # json, choice, regex, json_object, bad: once each
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_every_constraint_kind_under_cuda_graphs_sync_and_async(text_model):
+    """The device path: bf16 logits, the Triton mask kernel after a decode graph's replay, the bitmask's side-stream
+    copy, and the async loop's split launch. (Tokens may differ between the loops here: batch shapes differ, and
+    so do bf16 results; each output must be valid.)"""
+    rows = job()
+    with LLM(text_model, device="cuda", **ENGINE) as llm:
+        assert llm._runner.graphs is not None
+        for overlap in (False, True):
+            llm.set_async_scheduling(overlap)
+            outputs = llm.generate([prompt for _, prompt, _ in rows], [params for _, _, params in rows])
+            for (kind, _, _), out in zip(rows, outputs):
+                check_row(kind, out)
 
 
 def test_cut_by_max_tokens_says_incomplete(llm):
