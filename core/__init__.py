@@ -5,8 +5,10 @@ from nanovllm.engine.dry_run import KVCachePlan, PrefixCacheReplay, block_hashes
 from nanovllm.engine.info import CostModel, EngineInfo
 from nanovllm.engine.llm_engine import LLM, RequestOutput
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.structured.params import StructuredOutputsParams, from_response_format
 from nanovllm.tokenization import PromptTokenizer
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "CostModel", "EngineInfo", "KVCachePlan", "PrefixCacheReplay", "PromptTokenizer", "RequestOutput",
-           "SamplingParams", "__version__", "block_hashes", "plan_kv_cache"]
+           "SamplingParams", "StructuredOutputsParams", "__version__", "block_hashes", "from_response_format",
+           "plan_kv_cache"]

@@ -11,6 +11,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from nanovllm.engine.sequence import Sequence
+    from nanovllm.structured import RowGrammar
 
 
 @dataclass
@@ -25,7 +26,10 @@ class ScheduledBatch:
     identify the sequences' state at scheduling time: a sequence preempted since then has another epoch and this
     step's results for it are void. `table_changed`: the sequences whose block table is new or grew for this
     step. `released_seq_ids`: sequences that finished or were preempted since the previous batch (the runner
-    drops its per-sequence state of them)."""
+    drops its per-sequence state of them). `grammars[i]` is the structured-output matcher of the sequence at
+    index `grammar_rows[i]`, for each constrained sequence that samples in this step (empty lists: none); the
+    runner masks those logits rows from them. It only reads them, once the scheduler has advanced them by every
+    earlier step's token (docs/STRUCTURED_OUTPUTS.md)."""
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
@@ -37,6 +41,8 @@ class ScheduledBatch:
     input_ids: list[int] = field(default_factory=list)
     table_changed: list[Sequence] = field(default_factory=list)
     released_seq_ids: list[int] = field(default_factory=list)
+    grammar_rows: list[int] = field(default_factory=list)
+    grammars: list[RowGrammar] = field(default_factory=list)
 
     def add_chunk(self, seq: Sequence, num_new_tokens: int, start: int, samples: bool) -> None:
         """`num_new_tokens` of `seq` from position `start`; past its known tokens, the last input is pending."""

@@ -3,6 +3,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from nanovllm.structured.params import StructuredOutputsParams
+
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 _FLOAT32_MAX = 3.4028234663852886e38
 
@@ -24,6 +26,8 @@ class SamplingParams:
     temperature 0 means greedy. top_k <= 0 or top_k = -1 disables top-k; top_p = 1 and min_p = 0 disable theirs.
     A request without a seed gets one drawn from the engine's generator, so every request is reproducible from
     the engine seed, and a seeded request gives the same tokens whatever else is in the batch.
+    `structured_outputs` constrains the output (a JSON schema, any JSON object, a regex, a choice, an EBNF
+    grammar; docs/STRUCTURED_OUTPUTS.md): a StructuredOutputsParams, or a dict of its fields.
     """
 
     temperature: float = 1.0
@@ -35,8 +39,11 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     seed: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         for name in ("stop", "stop_token_ids"):
@@ -70,3 +77,5 @@ class SamplingParams:
             raise bad("ignore_eos", "must be True or False")
         if self.seed is not None and not _is_int64(self.seed):
             raise bad("seed", "must be an integer in [-2**63, 2**63 - 1] or None")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", "must be a StructuredOutputsParams, a dict of its fields, or None")

@@ -65,21 +65,54 @@ def warmup_workload(llm, seed: int) -> Workload:
     return Workload(prompts, output_lens)
 
 
-def run_workload(llm, workload: Workload, label: str, show_progress: bool) -> dict:
+def run_workload(llm, workload: Workload, label: str, show_progress: bool, structured=None) -> tuple[dict, list]:
+    """Greedy, EOS ignored; each request constrained by `structured` (a StructuredOutputsParams) when given, which
+    ends a request when its output is complete. Returns the stats and the outputs in workload order."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from nanovllm import SamplingParams
 
     llm.reset_prefix_cache()
     llm.reset_stats()
-    for prompt, max_tokens in zip(workload.prompts, workload.output_lens):
-        llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    request_ids = [llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                                                          structured_outputs=structured))
+                   for prompt, max_tokens in zip(workload.prompts, workload.output_lens)]
+    outputs = {}
     with Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   disable=not show_progress, transient=True) as progress:
         task = progress.add_task(label, total=len(workload.prompts))
         while llm.has_unfinished_requests():
-            progress.advance(task, len(llm.step()))
-    return llm.report()["steps"]
+            finished = llm.step()
+            outputs.update((out.request_id, out) for out in finished)
+            progress.advance(task, len(finished))
+    return llm.report()["steps"], [outputs[r] for r in request_ids]
+
+
+def compile_times(llm, structured) -> dict:
+    """Structured outputs' one-off costs, apart from the throughput: the tokenizer's vocabulary tables (once per
+    engine), the schema's first compile (cold) and a repeat request of it (served by the cache)."""
+    import time
+
+    started = time.perf_counter()
+    cache = llm.grammar_compile_cache()
+    ready = time.perf_counter()
+    cache.request(structured).result()
+    compiled = time.perf_counter()
+    cache.request(structured).result()
+    return {"tokenizer_info_s": ready - started, "cold_s": compiled - ready,
+            "cached_s": time.perf_counter() - compiled}
+
+
+def structured_pair(llm, workload: Workload, structured, label: str, show_progress: bool) -> dict:
+    """The workload constrained, then the same prompts unconstrained with each request's output length as the
+    constrained run gave it (EOS ignored): the same tokens, so the throughputs compare like for like."""
+    stats, outputs = run_workload(llm, workload, f"{label} structured", show_progress, structured)
+    stats["rows_complete"] = sum(bool(out.structured_complete) for out in outputs)
+    stats["rows_failed"] = sum(out.finish_reason == "error" for out in outputs)
+    same_lengths = Workload(workload.prompts, [max(len(out.token_ids), 1) for out in outputs])
+    unstructured, _ = run_workload(llm, same_lengths, f"{label} unstructured", show_progress)
+    return {"structured": stats, "unstructured": unstructured,
+            "structured_over_unstructured": stats["output_tok_s"] / unstructured["output_tok_s"]}
 
 
 @with_engine_options()
@@ -98,6 +131,13 @@ def bench(
     compare: Annotated[bool, typer.Option(
         "--compare", help="Run the sync and the async loop on the same workload and engine, and compare.")] = False,
     warmup: Annotated[bool, typer.Option(help="A warm-up run before each measured one.")] = True,
+    structured: Annotated[str | None, typer.Option(
+        help="json-schema: constrain every request by --schema (docs/STRUCTURED_OUTPUTS.md), then run the same "
+             "prompts unconstrained with the output lengths the constrained run gave, and compare.",
+        rich_help_panel=WORKLOAD)] = None,
+    schema: Annotated[Path | None, typer.Option(
+        help="The JSON schema file of --structured json-schema.", exists=True, dir_okay=False,
+        rich_help_panel=WORKLOAD)] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
     *,
     engine: EngineOptions,
@@ -112,6 +152,7 @@ def bench(
     for name, (lo, hi) in (("--input-len-range", input_len_range), ("--output-len-range", output_len_range)):
         if not 1 <= lo <= hi:
             raise o.fail(f"{name} needs 1 <= LO <= HI, got {lo} {hi}")
+    constraint = _structured_constraint(structured, schema)
     llm = o.load_llm(engine)
     console = Console(stderr=True)
     info = llm.info
@@ -131,6 +172,7 @@ def bench(
         roofline_s = (roofline_seconds(info.costs, workload.prompt_lens, workload.output_lens, info.max_num_seqs,
                                        ceilings) if ceilings else None)
 
+        compile_s = compile_times(llm, constraint) if constraint is not None else None  # before any run: cold
         modes = [False, True] if compare else [engine.async_scheduling]
         results = {}
         for overlap in modes:
@@ -138,7 +180,14 @@ def bench(
             llm.set_async_scheduling(overlap)
             if warmup:
                 run_workload(llm, warmup_workload(llm, seed), f"{label} warm-up", False)
-            stats = run_workload(llm, workload, label, console.is_terminal and not json_output)
+            show = console.is_terminal and not json_output
+            if constraint is not None:
+                if warmup:  # the mask's buffers and kernel, first used here
+                    run_workload(llm, Workload(workload.prompts[:16], [8] * 16), f"{label} warm-up", False,
+                                 constraint)
+                results[label] = structured_pair(llm, workload, constraint, label, show)
+                continue
+            stats, _ = run_workload(llm, workload, label, show)
             stats["roofline_s"] = roofline_s
             stats["roofline_frac"] = roofline_s / stats["wall_s"] if roofline_s and stats["wall_s"] else None
             results[label] = stats
@@ -161,12 +210,54 @@ def bench(
                       "matmul_bf16_flops_per_s": ceilings.matmul_flops_per_s} if ceilings else None),
         "modes": results,
     }
-    if compare:
+    if constraint is not None:
+        report["structured"] = {"kind": structured, "schema": str(schema), "compile": compile_s}
+    elif compare:
         report["async_over_sync"] = results["async"]["output_tok_s"] / results["sync"]["output_tok_s"]
     if json_output:
         typer.echo(json.dumps(report))
+    elif constraint is not None:
+        print_structured_report(report, Console())
     else:
         print_report(report, Console())
+
+
+def _structured_constraint(kind: str | None, schema: Path | None):
+    if kind is None:
+        if schema is not None:
+            raise o.fail("--schema needs --structured json-schema")
+        return None
+    if kind != "json-schema":
+        raise o.fail(f"--structured {kind!r}: the supported workload is json-schema")
+    if schema is None:
+        raise o.fail("--structured json-schema needs --schema FILE")
+    from nanovllm import StructuredOutputsParams
+
+    try:
+        return StructuredOutputsParams(json=json.loads(schema.read_text()))
+    except ValueError as exc:
+        raise o.fail(f"--schema {schema}: {exc}") from None
+
+
+def print_structured_report(report: dict, console) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"nanovllm bench --structured — {report['model']} on {report['device']}")
+    table.add_column("metric")
+    modes = report["modes"]
+    for name in modes:
+        table.add_column(f"{name} structured", justify="right")
+        table.add_column(f"{name} unstructured", justify="right")
+    for row in ("requests", "output_tokens", "steps", "wall_s", "output_tok_s", "gpu_busy_frac",
+                "host_ms_per_decode_step", "rows_complete", "rows_failed"):
+        table.add_row(row, *(_fmt(pair[side].get(row)) for pair in modes.values()
+                             for side in ("structured", "unstructured")))
+    console.print(table)
+    for name, pair in modes.items():
+        console.print(f"{name}: structured / unstructured output throughput {pair['structured_over_unstructured']:.3f}x")
+    compile_s = report["structured"]["compile"]
+    console.print(f"compile: tokenizer tables {compile_s['tokenizer_info_s']:.3f} s (once per engine), schema cold "
+                  f"{compile_s['cold_s']:.3f} s, cached {compile_s['cached_s'] * 1e3:.3f} ms")
 
 
 def print_report(report: dict, console) -> None:

@@ -1,7 +1,10 @@
 """Output records, one per input row: plain result rows, or OpenAI batch output lines for OpenAI input.
 
-Plain: {"id", "text", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "error"}
-(+ "prompt_token_ids", "token_ids" with --include-token-ids); a failed row has finish_reason "error".
+Plain: {"id", "text", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "error",
+"structured_complete"} (+ "prompt_token_ids", "token_ids" with --include-token-ids); a failed row has
+finish_reason "error". `structured_complete` (null for an unconstrained row; in an OpenAI line, in the choice of a
+constrained one) is false when the output was cut before its constraint was complete (max_tokens, a stop string):
+the text may not parse.
 OpenAI: {"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}, where body is a
 chat.completion or text_completion object with "usage", or {"error": {...}} for a failed row.
 Both carry "input_fingerprint", the hash of the row they answer, so `--resume` can tell a changed row.
@@ -18,7 +21,7 @@ from nanovllm import RequestOutput
 from nanovllm_cli.rows import RowError, RowRequest
 
 PLAIN_FIELDS = ("id", "text", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "error",
-                "input_fingerprint")
+                "structured_complete", "input_fingerprint")
 TOKEN_ID_FIELDS = ("prompt_token_ids", "token_ids")
 OPENAI_FIELDS = ("id", "custom_id", "response", "error", "input_fingerprint")
 
@@ -40,7 +43,8 @@ class RecordLayout:
 
         if self.openai:
             return pa.schema([(name, pa.string()) for name in OPENAI_FIELDS])
-        types = {"prompt_tokens": pa.int64(), "completion_tokens": pa.int64(), "cached_tokens": pa.int64()}
+        types = {"prompt_tokens": pa.int64(), "completion_tokens": pa.int64(), "cached_tokens": pa.int64(),
+                 "structured_complete": pa.bool_()}
         fields = [(name, types.get(name, pa.string())) for name in PLAIN_FIELDS]
         if self.include_token_ids:
             fields += [(name, pa.list_(pa.int64())) for name in TOKEN_ID_FIELDS]
@@ -66,12 +70,13 @@ class RecordBuilder:
     def result(self, request: RowRequest, output: RequestOutput) -> dict:
         if output.error:
             return self.error(RowError(request.id, request.where, output.error, request.endpoint),
-                              len(request.token_ids), status_code=500)
+                              len(request.token_ids), status_code=400 if output.invalid_request else 500)
         completion = len(output.token_ids)
         if not self.layout.openai:
             record = {"id": request.id, "text": output.text, "finish_reason": output.finish_reason,
                       "prompt_tokens": output.num_prompt_tokens, "completion_tokens": completion,
                       "cached_tokens": output.num_cached_tokens, "error": None,
+                      "structured_complete": output.structured_complete,
                       "input_fingerprint": self.fingerprints.get(request.id)}
             if self.layout.include_token_ids:
                 record.update(prompt_token_ids=output.prompt_token_ids, token_ids=output.token_ids)
@@ -82,6 +87,8 @@ class RecordBuilder:
             choice["message"] = {"role": "assistant", "content": output.text}
         else:
             choice["text"] = output.text
+        if output.structured_complete is not None:
+            choice["structured_complete"] = output.structured_complete
         if self.layout.include_token_ids:
             choice["token_ids"] = output.token_ids
         body = {
@@ -103,7 +110,7 @@ class RecordBuilder:
         if not self.layout.openai:
             record = {"id": error.id, "text": None, "finish_reason": "error", "prompt_tokens": prompt_tokens,
                       "completion_tokens": 0, "cached_tokens": 0, "error": error.message,
-                      "input_fingerprint": self.fingerprints.get(error.id)}
+                      "structured_complete": None, "input_fingerprint": self.fingerprints.get(error.id)}
             if self.layout.include_token_ids:
                 record.update(prompt_token_ids=None, token_ids=None)
             return record

@@ -3,7 +3,8 @@
 Row forms: {"id", "prompt": str}, {"id", "messages": [{"role", "content"}, ...]}, {"id", "prompt_token_ids":
 [int, ...]}, and OpenAI batch request lines {"custom_id", "method": "POST", "url": "/v1/chat/completions" |
 "/v1/completions", "body": {...}}. Sampling fields of the row (top level or in "sampling_params"; in the body
-for OpenAI lines) override the command-line defaults.
+for OpenAI lines) override the command-line defaults. A row constrains its output with `structured_outputs`
+(vLLM's fields: json, json_object, regex, choice, grammar), an OpenAI line with `response_format`.
 """
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ from dataclasses import dataclass, field
 import xxhash
 
 from nanovllm import SamplingParams
+from nanovllm import from_response_format
 from nanovllm_cli.readers import InvalidJson
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "seed",
-                   "ignore_eos")
+                   "ignore_eos", "structured_outputs")
 PROMPT_KEYS = {"prompt": "prompt", "messages": "messages", "prompt_token_ids": "token_ids"}
 OPENAI_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 # OpenAI body key -> SamplingParams field; max_completion_tokens comes after max_tokens, so it wins.
@@ -190,6 +192,11 @@ def _openai_fields(row: dict) -> tuple[str, object, dict]:
         raise RowProblem(f"a {endpoint} request body needs '{key}'")
     kind = "messages" if endpoint == "chat" else "token_ids" if isinstance(body[key], list) else "prompt"
     overrides = {name: body[key_] for key_, name in OPENAI_SAMPLING_KEYS.items() if body.get(key_) is not None}
+    if body.get("response_format") is not None:
+        try:
+            overrides["structured_outputs"] = from_response_format(body["response_format"])
+        except ValueError as exc:
+            raise RowProblem(str(exc)) from None
     return kind, _checked_payload(kind, body[key], f"body.{key}"), overrides
 
 

@@ -82,13 +82,15 @@ def run(
     "body": {"messages" or "prompt", "max_tokens", "temperature", "top_p", "stop", "seed", ...}}. A row without
     an id gets its line number (Parquet: row number, from 1); blank lines are skipped.
 
-    **Per-row sampling**: max_tokens, temperature, top_p, top_k, min_p, stop, stop_token_ids, seed, ignore_eos
-    as fields of the row or of its "sampling_params" object (of the body for OpenAI lines) override the
-    defaults below.
+    **Per-row sampling**: max_tokens, temperature, top_p, top_k, min_p, stop, stop_token_ids, seed, ignore_eos,
+    structured_outputs ({"json": schema} | {"json_object": true} | {"regex"} | {"choice"} | {"grammar"}) as
+    fields of the row or of its "sampling_params" object (of the body for OpenAI lines, with "response_format"
+    for the constraint) override the defaults below.
 
-    **Output**: {"id", "text", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "error"}
-    per row; OpenAI batch output lines for OpenAI input. A bad row gets an error record naming the row and the
-    problem, and every other row still runs.
+    **Output**: {"id", "text", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "error",
+    "structured_complete"} per row (structured_complete false: cut by max_tokens, the text may not parse);
+    OpenAI batch output lines for OpenAI input. A bad row gets an error record naming the row and the problem,
+    and every other row still runs.
 
     **Resume**: --resume answers only the rows OUTPUT lacks. Each record holds a fingerprint of its row: a row
     changed since, or a record of a row no longer in INPUT, is an error unless --sync reruns / drops them.

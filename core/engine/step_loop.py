@@ -28,7 +28,12 @@ class StepLoop:
     Async (`overlap`): step N+1 is scheduled and launched before step N's tokens are awaited, so the host
     postprocesses N and prepares N+2 while the device runs N+1. The scheduler plans from committed + in-flight
     state, in-flight decodes feed their sampled ids to the next step on the device, and steps are committed in
-    the order they were launched. Both orders use the same scheduler, runner and postprocess."""
+    the order they were launched. Both orders use the same scheduler, runner and postprocess.
+
+    A step with structured-output rows is launched in two halves: the forward, then (once the matchers have
+    accepted every earlier step's token: the async loop completes the step in flight here, while the device runs
+    the forward) the masks are filled and sampling is launched. Steps without such rows are launched whole, as
+    before (docs/STRUCTURED_OUTPUTS.md)."""
 
     def __init__(self, scheduler: Scheduler, runner: ModelRunner | TPRunner, stats: EngineStats, overlap: bool):
         self.scheduler = scheduler
@@ -43,26 +48,40 @@ class StepLoop:
     def step(self) -> list[Sequence]:
         """One iteration; returns the sequences that finished in it. The last in-flight step drains on the
         iteration after the scheduler runs dry."""
-        launched = self._launch()
+        finished: list[Sequence] = []
+        launched = self._launch(finished)
         if self.overlap:
             done, self.in_flight = self.in_flight, launched
         else:
             done = launched
-        return self._complete(done) if done else []
+        return finished + self._complete(done) if done else finished
 
-    def _launch(self) -> LaunchedStep | None:
+    def _launch(self, finished: list[Sequence]) -> LaunchedStep | None:
+        """Schedule, prepare and launch a step; a step completed on the way (see the class) adds its finished
+        sequences to `finished`."""
         t0 = time.perf_counter()
         preemptions_before = self.scheduler.num_preemptions
         batch = self.scheduler.schedule()
         self.stats.preemptions += self.scheduler.num_preemptions - preemptions_before
         t1 = time.perf_counter()
         if not batch:
+            if self.in_flight is None:  # only constraints still compiling could be waiting: no spinning
+                self.scheduler.wait_for_compile()
             return None
         inputs = self.runner.prepare(batch)
         t2 = time.perf_counter()
-        handle = self.runner.execute(inputs)
+        if not batch.grammars:
+            handle = self.runner.execute(inputs)
+            t3 = time.perf_counter()
+            return LaunchedStep(batch, handle, t1 - t0, t2 - t1, t3 - t2)
+        forward = self.runner.launch_forward(inputs)
+        forward_s = time.perf_counter() - t2
+        if self.in_flight is not None:  # its tokens are what the masks of this step depend on
+            finished += self._complete(self.in_flight)
+            self.in_flight = None
         t3 = time.perf_counter()
-        return LaunchedStep(batch, handle, t1 - t0, t2 - t1, t3 - t2)
+        handle = self.runner.launch_sample(forward, self.runner.fill_masks(batch))
+        return LaunchedStep(batch, handle, t1 - t0, t2 - t1, forward_s + time.perf_counter() - t3)
 
     def _complete(self, step: LaunchedStep) -> list[Sequence]:
         t0 = time.perf_counter()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -41,4 +42,15 @@ class StepHandle:
     host: torch.Tensor | None
     timing: tuple[torch.cuda.Event, torch.cuda.Event] | None
     ready: torch.cuda.Event | None
+    upload: int
+
+
+@dataclass
+class LaunchedForward:
+    """A step whose forward is launched and whose sampling is not: its inputs, its logits (None on a
+    tensor-parallel worker), its output slot (None on the CPU; Any: the runner's private type) and upload number."""
+
+    inputs: StepInputs
+    logits: torch.Tensor | None
+    slot: Any
     upload: int

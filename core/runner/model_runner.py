@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -15,7 +16,7 @@ from nanovllm.loaders import ResolvedModel, load_dummy_weights, load_safetensors
 from nanovllm.models.llama import head_dim_of, kv_block_bytes, kv_heads_per_rank
 from nanovllm.models.registry import model_class_for
 from nanovllm.runner.cuda_graphs import DecodeGraphs
-from nanovllm.runner.inputs import StepHandle, StepInputs
+from nanovllm.runner.inputs import LaunchedForward, StepHandle, StepInputs
 from nanovllm.runner.step_buffers import (
     ROWS,
     ROWS_PLUS_ONE,
@@ -29,6 +30,9 @@ from nanovllm.runner.step_buffers import (
     buffer_fields,
     sliced_views,
 )
+
+if TYPE_CHECKING:
+    from nanovllm.structured import BatchBitmask, StepBitmask
 
 _STEP_FIELDS = {f.name for f in fields(StepInputs)}
 _SAMPLING_FIELDS = {f.name for f in fields(SamplingTensors)}
@@ -148,6 +152,7 @@ class ModelRunner:
                             torch.cuda.Event())
                 for _ in range(2)]
             self._next_slot = 0
+        self._bitmask: BatchBitmask | None = None  # structured outputs' masks, made on the first constrained step
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager and backend.supports_cuda_graphs:
             self.graphs = DecodeGraphs(self.model, self._graph_inputs, self.tables, self.max_batch_size,
@@ -158,7 +163,7 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs.release()
         self.model = self.kv_cache = self.graphs = self.tables = self.buffers = None
-        self._views = self._pending_views = self._table_update_views = self._last = None
+        self._views = self._pending_views = self._table_update_views = self._last = self._bitmask = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -378,29 +383,59 @@ class ModelRunner:
             max_seq_len=self.max_model_len,
             decode_num_splits=self.backend.decode_num_splits(size, self.max_model_len, self.num_kv_heads),
             graph_size=size)
-    @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> StepHandle:
         """Launch forward + sampling and return at once (on the CPU the work is done by the time it returns).
 
         The sampled ids are copied to pinned host memory behind an event; `wait` blocks on that event only."""
+        return self.launch_sample(self.launch_forward(inputs), None)
+
+    @torch.inference_mode()
+    def launch_forward(self, inputs: StepInputs) -> LaunchedForward:
+        """The first half of `execute`: launch the forward, up to the logits. A step with structured-output rows
+        is launched in two halves, so that their masks can be filled in between (docs/STRUCTURED_OUTPUTS.md)."""
         upload = self.buffers.num_uploads  # the step's inputs are the latest upload
-        if self.device.type == "cpu":
-            self._last.sampled = self._forward_and_sample(inputs)
-            return StepHandle(self._last.sampled, None, None, None, upload)
-        # The step loop waits for step N before it launches step N+2: two output slots are never both in use.
-        slot = self._output_slots[self._next_slot]
-        self._next_slot ^= 1
-        start, end = slot.timing
+        slot = None
+        if self.device.type == "cuda":
+            # The step loop waits for step N before it launches step N+2: two output slots are never both in use.
+            slot = self._output_slots[self._next_slot]
+            self._next_slot ^= 1
+            slot.timing[0].record(self.buffers.stream)
+        return LaunchedForward(inputs, self._forward(inputs), slot, upload)
+
+    @torch.inference_mode()
+    def launch_sample(self, launched: LaunchedForward, step_mask: StepBitmask | None) -> StepHandle:
+        """The second half of `execute`: mask the constrained rows' logits (`fill_masks`), sample, and copy the
+        ids to the host."""
+        inputs, logits = launched.inputs, launched.logits
+        if logits is None:  # a tensor-parallel worker: the logits were gathered to rank 0, which samples
+            sampled = inputs.logits_indices[:0]
+        else:
+            logits = logits[:len(inputs.logits_indices)]
+            if step_mask is not None:
+                step_mask.apply(logits)
+            sampled = sample(logits, inputs.sampling)
+        self._last.sampled = sampled
+        slot = launched.slot
+        if slot is None:
+            return StepHandle(sampled, None, None, None, launched.upload)
         stream = self.buffers.stream
-        start.record(stream)
-        sampled = self._last.sampled = self._forward_and_sample(inputs)
-        end.record(stream)
+        slot.timing[1].record(stream)
         host = slot.host[:len(sampled)]
         host.copy_(sampled, non_blocking=True)
         slot.ready.record(stream)
-        return StepHandle(sampled, host, slot.timing, slot.ready, upload)
+        return StepHandle(sampled, host, slot.timing, slot.ready, launched.upload)
 
-    def _forward_and_sample(self, inputs: StepInputs) -> torch.Tensor:
+    def fill_masks(self, batch: ScheduledBatch) -> StepBitmask | None:
+        """The token masks of the batch's constrained rows from their matchers (read, never advanced), filled on
+        the host and on their way to the device; None when no row is constrained."""
+        if not batch.grammars:
+            return None
+        if self._bitmask is None:  # the first constrained step (importing xgrammar costs seconds)
+            from nanovllm.structured.batch_bitmask import BatchBitmask
+            self._bitmask = BatchBitmask(self.max_batch_size, self.vocab_size, self.device)
+        return self._bitmask.prepare(batch.grammars, batch.grammar_rows)
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor | None:
         if inputs.graph_size is not None:  # the graph applies the table updates and gathers the tables itself
             logits = self.graphs.replay(inputs.graph_size, inputs)
         else:
@@ -413,9 +448,7 @@ class ModelRunner:
                 decode_num_splits=inputs.decode_num_splits)
             hidden = self.model(inputs.input_ids, inputs.positions, meta)
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        if logits is None:  # a tensor-parallel worker: the logits were gathered to rank 0, which samples
-            return inputs.logits_indices[:0]
-        return sample(logits[:len(inputs.logits_indices)], inputs.sampling)
+        return logits
 
     def wait(self, handle: StepHandle) -> tuple[list[int], float | None]:
         """The step's sampled ids, and its device time in seconds (None on the CPU)."""

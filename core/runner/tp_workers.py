@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -48,10 +49,13 @@ from nanovllm.distributed import (
 )
 from nanovllm.loaders import ResolvedModel
 from nanovllm.models.registry import model_class_for
-from nanovllm.runner.inputs import StepHandle, StepInputs
+from nanovllm.runner.inputs import LaunchedForward, StepHandle, StepInputs
 from nanovllm.runner.model_runner import ModelRunner
 from nanovllm.runner.spawn_guard import check_main_guard
 from nanovllm.runner.tp_step import pack, unpack
+
+if TYPE_CHECKING:
+    from nanovllm.structured import StepBitmask
 
 _HOST = "127.0.0.1"
 _STOP, _STEP = 0, 1  # first word of a message from rank 0
@@ -274,6 +278,17 @@ class TPRunner:
         with self.workers.guard():
             self.workers.send_step(inputs)
             return self.runner.execute(inputs)
+
+    def launch_forward(self, inputs: StepInputs) -> LaunchedForward:
+        with self.workers.guard():  # the workers run the whole step; only rank 0 samples
+            self.workers.send_step(inputs)
+            return self.runner.launch_forward(inputs)
+
+    def launch_sample(self, launched: LaunchedForward, step_mask: StepBitmask | None) -> StepHandle:
+        return self.runner.launch_sample(launched, step_mask)
+
+    def fill_masks(self, batch: ScheduledBatch) -> StepBitmask | None:
+        return self.runner.fill_masks(batch)
 
     def wait(self, handle: StepHandle) -> tuple[list[int], float | None]:
         with self.workers.guard():

@@ -1,0 +1,64 @@
+"""One output row's place in its grammar: which tokens may come next, and whether the row has ended."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import xgrammar as xgr
+
+
+class RowGrammar:
+    """An xgrammar matcher for one row. While the grammar is incomplete its bitmask allows only tokens that keep
+    the output a valid prefix; once complete, it also allows the stop tokens (EOS and the row's stop ids), and
+    once nothing can follow, only them. Accepting a stop token terminates the row: it finishes with "stop"."""
+
+    def __init__(self, grammar: xgr.CompiledGrammar, stop_token_ids: Sequence[int]):
+        stop = sorted(set(stop_token_ids))
+        if not stop:
+            raise ValueError("a constrained row needs at least one stop token id (EOS) to end on")
+        self._matcher = xgr.GrammarMatcher(grammar, override_stop_tokens=stop)
+        self.stop_token_ids = tuple(stop)
+        self.num_accepted = 0
+
+    def fork(self) -> RowGrammar:
+        """An independent copy at the same place (a request with `n` > 1 forks its rows)."""
+        twin = object.__new__(RowGrammar)
+        twin._matcher = self._matcher.fork()
+        twin.stop_token_ids = self.stop_token_ids
+        twin.num_accepted = self.num_accepted
+        return twin
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by one sampled token; False (state unchanged) if the grammar does not allow it here."""
+        accepted = self._matcher.accept_token(token_id)
+        self.num_accepted += accepted
+        return accepted
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into `bitmask[row]` (host int32, the layout of
+        nanovllm.kernels.token_bitmask); a terminated row allows every token, since its sample is discarded."""
+        if self._matcher.is_terminated():
+            bitmask[row].fill_(-1)
+        else:
+            self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    def is_terminated(self) -> bool:
+        """A stop token was accepted: the row is done, with finish reason "stop"."""
+        return self._matcher.is_terminated()
+
+    def is_completed(self) -> bool:
+        """The output so far is a complete match (a stop token may come next)."""
+        return self._matcher.is_completed()
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens (a discarded speculative or in-flight step)."""
+        if not 0 <= num_tokens <= self.num_accepted:
+            raise ValueError(f"cannot roll back {num_tokens} tokens: {self.num_accepted} accepted")
+        if num_tokens:
+            self._matcher.rollback(num_tokens)
+            self.num_accepted -= num_tokens
+
+    @property
+    def matcher(self) -> xgr.GrammarMatcher:
+        """The underlying matcher (for a batched fill)."""
+        return self._matcher
