@@ -13,8 +13,7 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from nanovllm import SamplingParams
-from nanovllm import from_response_format
+from nanovllm import SamplingParams, from_response_format
 from nanovllm_cli.readers import InvalidJson
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "seed",
