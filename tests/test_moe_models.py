@@ -146,17 +146,13 @@ def test_a_missing_expert_tensor_is_named(moe_dirs, tmp_path):
 def test_registry_names_what_it_supports():
     config = preset_config("tiny-qwen3-moe")
     config.architectures = ["DeepseekV3ForCausalLM"]
-    with pytest.raises(ValueError, match="'DeepseekV3ForCausalLM' is not supported.*MixtralForCausalLM.*"
+    with pytest.raises(ValueError, match="DeepseekV3ForCausalLM is not supported; supported: .*MixtralForCausalLM.*"
                                          "Qwen3MoeForCausalLM"):
         model_class_for(config)
     assert model_class_for(preset_config("tiny-llama")) is MODEL_CLASSES["LlamaForCausalLM"]  # by model_type
 
 
 def test_unsupported_moe_settings_fail_early():
-    config = preset_config("tiny-qwen3-moe")
-    config.use_sliding_window, config.sliding_window = True, 64
-    with pytest.raises(ValueError, match="sliding_window=64 is not supported"):
-        model_class_for(config)(config)
     config = preset_config("tiny-mixtral")
     config.num_experts_per_tok = 9
     with pytest.raises(ValueError, match="num_experts_per_tok=9"):

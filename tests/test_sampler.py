@@ -82,7 +82,7 @@ def test_mixed_rows_in_one_batch_follow_their_own_settings():
     n = 12000
     parts = [settings_tensors(n, len(LOGITS), seed_offset=1000 * i, **mix) for i, mix in enumerate(mixes)]
     batch = SamplingTensors(*(torch.cat([getattr(p, f) for p in parts]) for f in
-                              ("temperatures", "top_k", "top_p", "min_p", "seeds", "positions")),
+                              ("temperatures", "top_k", "top_p", "min_p", "seeds", "sample_positions")),
                             all_greedy=False, any_filter=True)
     tokens = sample(torch.tensor([LOGITS] * (n * len(mixes))), batch).view(len(mixes), n)
     for mix, row_tokens in zip(mixes, tokens):

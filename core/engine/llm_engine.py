@@ -57,6 +57,7 @@ class LLM:
         self.tokenizer = self.prompts.tokenizer
         self.max_model_len = self._max_model_len()
         self._runner: ModelRunner | None = None
+        self._grammars: GrammarCompileCache | None = None  # made on the first constrained request
         self._workers = start_workers(self.config, resolved, self.max_model_len)  # tensor-parallel ranks 1..N-1
         try:
             with self._workers.guard() if self._workers else nullcontext():  # a worker's error, not a broken collective
@@ -74,7 +75,6 @@ class LLM:
                               self._new_stats(), self.config.async_scheduling)
         self._seed_rng = random.Random(self.config.seed)
         self._seq_ids = itertools.count()
-        self._grammars: GrammarCompileCache | None = None  # made on the first constrained request
 
     def _max_model_len(self) -> int:
         limit = self.hf_config.max_position_embeddings
