@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -49,6 +50,9 @@ class LLM:
     """Offline batch generation: `generate`/`chat` for whole batches, or `add_request` + `step` to stream."""
 
     def __init__(self, model: str | None = None, **engine_args):
+        self._runner: ModelRunner | None = None
+        self._workers = None
+        self._grammars: GrammarCompileCache | None = None  # made on the first constrained request
         self.config = EngineConfig.from_kwargs(**engine_args)
         resolved = resolve_model(model, self.config.load_format)
         self.model_name = resolved.name
@@ -56,8 +60,6 @@ class LLM:
         self.prompts = PromptTokenizer.for_model(resolved)
         self.tokenizer = self.prompts.tokenizer
         self.max_model_len = self._max_model_len()
-        self._runner: ModelRunner | None = None
-        self._grammars: GrammarCompileCache | None = None  # made on the first constrained request
         self._workers = start_workers(self.config, resolved, self.max_model_len)  # tensor-parallel ranks 1..N-1
         try:
             with self._workers.guard() if self._workers else nullcontext():  # a worker's error, not a broken collective
@@ -268,6 +270,11 @@ class LLM:
             self._grammars.shutdown()
         if self._runner is not None:
             self._runner.release()
+
+    def __del__(self) -> None:
+        # Dropping the last reference frees the device memory now, as exit() does, not at some later collection.
+        if not sys.is_finalizing():
+            self.exit()
 
     def __enter__(self) -> LLM:
         return self

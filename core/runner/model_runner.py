@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import functools
+import gc
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
@@ -160,11 +161,14 @@ class ModelRunner:
 
     def release(self) -> None:
         """Free the device memory (weights, KV cache, CUDA graphs, step buffers); the runner runs no more steps."""
+        if self.released:
+            return
         if self.graphs is not None:
             self.graphs.release()
         self.model = self.kv_cache = self.graphs = self.tables = self.buffers = None
         self._views = self._pending_views = self._table_update_views = self._last = self._bitmask = None
         if self.device.type == "cuda":
+            gc.collect()  # whatever a CUDA graph or a kernel cache still ties into a cycle, before the cache is emptied
             torch.cuda.empty_cache()
 
     @property
