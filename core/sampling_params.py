@@ -2,6 +2,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import math
+
+MAX_LOGPROBS = 20  # the most top-k alternatives `logprobs` / `prompt_logprobs` may ask for (vLLM's default cap)
+MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's cap)
+MAX_ALLOWED_TOKEN_IDS = 100_000  # entries of allowed_token_ids
+
 
 @dataclass
 class SamplingParams:
@@ -10,6 +16,21 @@ class SamplingParams:
     temperature 0 means greedy. top_k <= 0 or top_k = -1 disables top-k; top_p = 1 and min_p = 0 disable theirs.
     A request without a seed gets one drawn from the engine's generator, so every request is reproducible from
     the engine seed, and a seeded request gives the same tokens whatever else is in the batch.
+
+    `logprobs = k` returns, for each generated token, its logprob and rank and the k most likely tokens with
+    theirs; `prompt_logprobs = k` the same for every prompt token after the first. Both are logprobs of the
+    model's raw distribution (log_softmax of the logits before temperature or any filter), k in [0, MAX_LOGPROBS].
+    A request with `prompt_logprobs` takes no prefix-cache hits: its whole prompt is computed, so every position
+    has logits.
+
+    Penalties and logit controls (vLLM's semantics, applied on the device before temperature and the filters,
+    in this order): `allowed_token_ids` (every other token is banned), `min_tokens` (EOS — unless ignore_eos —
+    and stop_token_ids are banned until that many tokens are out; stop strings are not checked before either),
+    `logit_bias` ({token id: bias in [-100, 100]} added to the logit), `repetition_penalty` (> 0; a token seen in
+    the prompt or the output has a positive logit divided by it, a negative one multiplied), then OpenAI's
+    `frequency_penalty` and `presence_penalty` (in [-2, 2]; logit -= frequency * count + presence * (count > 0)
+    over output tokens). `include_stop_str_in_output` keeps the stop string in the text;
+    `skip_special_tokens` (default True) drops special tokens from the text.
     """
 
     temperature: float = 1.0
@@ -21,6 +42,16 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     seed: int | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -49,3 +80,43 @@ class SamplingParams:
             raise bad("stop_token_ids", "must be a list of non-negative integers")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise bad("seed", "must be an integer or None")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or not 0 <= value <= MAX_LOGPROBS):
+                raise bad(name, f"must be None or an integer in [0, {MAX_LOGPROBS}]")
+        self._validate_controls(bad)
+
+    def _validate_controls(self, bad) -> None:
+        def number(value) -> bool:
+            return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+        def token_id(value) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+        if not number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", "must be a finite number > 0")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not number(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
+                raise bad(name, "must be a finite number in [-2, 2]")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or not (
+                0 <= self.min_tokens <= self.max_tokens):
+            raise bad("min_tokens", "must be an integer in [0, max_tokens]")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise bad("logit_bias", f"must be a dict of at most {MAX_LOGIT_BIAS} token ids to biases")
+            if not all(token_id(t) and number(b) and -100 <= b <= 100 for t, b in self.logit_bias.items()):
+                raise bad("logit_bias", "keys must be token ids (integers >= 0), values finite numbers in [-100, 100]")
+        if self.allowed_token_ids is not None:
+            if (not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
+                    or len(self.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS):
+                raise bad("allowed_token_ids", f"must be a non-empty list of at most {MAX_ALLOWED_TOKEN_IDS} token ids")
+            if not all(token_id(t) for t in self.allowed_token_ids):
+                raise bad("allowed_token_ids", "must hold token ids (integers >= 0)")
+        for name in ("include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "must be a bool")
+
+    def token_ids_used(self) -> list[int]:
+        """Every token id the settings name (the engine checks them against the vocabulary)."""
+        return [*self.stop_token_ids, *(self.logit_bias or {}), *(self.allowed_token_ids or [])]

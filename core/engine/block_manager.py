@@ -93,7 +93,8 @@ class BlockManager:
         return False (and change nothing) when the free blocks do not suffice. Sets `num_computed_tokens` to the
         tokens the hits serve; at least one token is left to compute."""
         assert not seq.block_table, "sequence already holds blocks"
-        hits = self.match_prefix(seq)
+        # A request for prompt logprobs needs the logits of every prompt position: it takes no hits.
+        hits = self.match_prefix(seq) if seq.params.prompt_logprobs is None else []
         # A fully cached prompt still needs its last token computed to get logits.
         num_computed = min(len(hits) * self.block_size, seq.num_tokens - 1)
         num_new = min(seq.num_tokens - num_computed, max_new_tokens)

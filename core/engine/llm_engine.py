@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from nanovllm.config import EngineConfig
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.info import EngineInfo, engine_info, engine_report
+from nanovllm.engine.logprob_records import Logprob, output_logprobs
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.stats import EngineStats
@@ -35,6 +36,11 @@ class RequestOutput:
     arrival_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+    # Only for a request that asked (SamplingParams.logprobs / prompt_logprobs), in vLLM's shape: per token a
+    # {token id: Logprob} of the top k and the chosen token; prompt_logprobs[0] is None.
+    logprobs: list[dict[int, Logprob]] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    cumulative_logprob: float | None = None
 
 
 class LLM:
@@ -169,11 +175,16 @@ class LLM:
         text = seq.stop_text
         if text is None and self.tokenizer is not None:
             text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        logprobs = prompt_logprobs = None
+        if seq.output_logprobs is not None or seq.prompt_logprob_entries is not None:
+            decode = (lambda token_id: self.tokenizer.decode([token_id])) if self.tokenizer is not None else None
+            logprobs, prompt_logprobs = output_logprobs(seq, decode)
         return RequestOutput(
             request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens],
             text=text, token_ids=seq.output_token_ids, finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_prefix_hit_tokens or 0,
-            arrival_time=seq.arrival_time, first_token_time=seq.first_token_time, finish_time=seq.finish_time)
+            arrival_time=seq.arrival_time, first_token_time=seq.first_token_time, finish_time=seq.finish_time,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, cumulative_logprob=seq.cumulative_logprob)
 
     # ---- batch API -----------------------------------------------------------------------------------------------
 

@@ -7,8 +7,10 @@ import numpy as np
 
 from nanovllm.batch import ScheduledBatch
 from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.logprob_records import record_step_logprobs
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.engine.stop_strings import StopStringDetector
+from nanovllm.runner.logprob_step import StepLogprobs
 
 
 @dataclass
@@ -237,9 +239,12 @@ class Scheduler:
         self._released.append(seq.seq_id)
         self.waiting.appendleft(seq)
 
-    def postprocess(self, batch: ScheduledBatch, sampled_token_ids: list[int]) -> None:
+    def postprocess(self, batch: ScheduledBatch, sampled_token_ids: list[int],
+                    logprobs: StepLogprobs | None = None) -> None:
         """Commit one step (steps are committed in the order they were scheduled) and finish the sequences that
-        a stop rule ends; `take_finished` hands them out."""
+        a stop rule ends; `take_finished` hands them out. `logprobs`: the step's, when some row asked."""
+        if logprobs is not None:
+            record_step_logprobs(batch, sampled_token_ids, logprobs)
         finished, commit = SequenceStatus.FINISHED, self.block_manager.commit_computed_blocks
         for seq, num_new, samples, epoch, token_id in zip(batch.seqs, batch.num_new_tokens, batch.samples,
                                                            batch.epochs, sampled_token_ids):

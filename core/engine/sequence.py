@@ -31,7 +31,8 @@ class Sequence:
                  "sampling_seed", "status", "block_table", "num_computed_tokens", "num_shared_kv_tokens",
                  "num_hashed_blocks", "num_inflight_tokens", "num_pending_tokens", "epoch",
                  "num_prefix_hit_tokens", "num_preemptions", "finish_reason", "error", "stop_text",
-                 "arrival_time", "first_token_time", "finish_time")
+                 "arrival_time", "first_token_time", "finish_time", "output_logprobs", "prompt_logprob_entries",
+                 "cumulative_logprob")
 
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  sampling_seed: int, prompt: str | None = None):
@@ -59,6 +60,11 @@ class Sequence:
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
+        # Logprob entries (engine/logprob_records.py), only for a request that asked for them.
+        self.output_logprobs: list | None = [] if params.logprobs is not None else None
+        self.prompt_logprob_entries: list | None = (
+            [None] * self.num_prompt_tokens if params.prompt_logprobs is not None else None)
+        self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -10,12 +10,14 @@ from nanovllm.attention import AttentionMetadata, select_backend
 from nanovllm.batch import ScheduledBatch
 from nanovllm.config import EngineConfig
 from nanovllm.distributed import min_over_ranks
+from nanovllm.layers.logprobs import TokenLogprobs, compute_logprobs
 from nanovllm.layers.sampler import SamplingTensors, sample
 from nanovllm.loaders import ResolvedModel, load_dummy_weights, load_safetensors_weights
 from nanovllm.models.llama import head_dim_of, kv_block_bytes, kv_heads_per_rank
 from nanovllm.models.registry import model_class_for
 from nanovllm.runner.cuda_graphs import DecodeGraphs
 from nanovllm.runner.inputs import StepHandle, StepInputs
+from nanovllm.runner.logprob_step import LogprobPlan, StepLogprobs, copy_to_host, plan_logprobs
 from nanovllm.runner.step_buffers import (
     ROWS,
     ROWS_PLUS_ONE,
@@ -32,6 +34,7 @@ from nanovllm.runner.step_buffers import (
 
 _STEP_FIELDS = {f.name for f in fields(StepInputs)}
 _SAMPLING_FIELDS = {f.name for f in fields(SamplingTensors)}
+_PROMPT_LOGITS_CHUNK = 1024  # prompt positions whose logits exist at once (bounds a long prompt's temporaries)
 
 
 def _slice_views(on_device: dict[str, torch.Tensor], num_tokens: int, padded_seqs: int, num_seqs: int) -> _Views:
@@ -141,6 +144,7 @@ class ModelRunner:
         self._rows_of: tuple[list, np.ndarray] = ([], np.zeros(0, dtype=np.int64))  # a batch's seqs, their rows
         self._arange = np.arange(self.max_batch_size + 1)
         self._last = _LastStep(np.zeros(0, dtype=np.int64), np.full(len(self.rows.host_tables), -1, dtype=np.int64))
+        self._logprob_plan: LogprobPlan | None = None  # the prepared step's, until it is launched
         if self.device.type == "cuda":
             self._output_slots = [
                 _OutputSlot(torch.empty(self.max_batch_size, dtype=torch.int64, pin_memory=True),
@@ -246,7 +250,10 @@ class ModelRunner:
         update_indices, update_blocks = self.rows.sync(batch.table_changed)
         num_updates = len(update_blocks)
         rows = self._rows_for(batch.seqs)
+        plan = self._logprob_plan = plan_logprobs(self.rows, batch, rows)
         graph_size = self.graphs.batch_size_for(num_seqs) if self.graphs and pure_decode else None
+        if plan is not None and plan.prompt_targets is not None:
+            graph_size = None  # prompt positions' logits come from the hidden states an eager step keeps
         if graph_size is not None and num_updates > graph_size:
             graph_size = None  # a graph applies one table entry per row; a readmitted sequence may bring more
         num_staged = self._stage_table_updates(host, update_indices, update_blocks, graph_size)
@@ -256,6 +263,8 @@ class ModelRunner:
                     and (rows is self._last.rows or np.array_equal(rows, self._last.rows)))
         ends = self._fill_token_inputs(host, batch, rows, padded_seqs, copy_all)
         all_greedy, any_filter = self._fill_sampling(host, rows, ends)
+        if plan is not None:
+            host["logprob_rows"][:len(plan.sampled_indices)] = plan.sampled_indices
         num_gathered = 0 if copy_all else self._stage_pending(host, batch, rows)
         self._remember_rows(rows)
         self.buffers.upload(2 * num_staged)
@@ -267,9 +276,15 @@ class ModelRunner:
             tokens, sources = self._pending_views(num_gathered)
             views.step["input_ids"].index_put_((tokens,), self._last.sampled.index_select(0, sources))
         max_seq_len = int(ends.max())
+        prompt_targets = None
+        if plan is not None and plan.prompt_targets is not None:
+            prompt_targets = torch.from_numpy(plan.prompt_targets).to(self.device, non_blocking=True)
         return StepInputs(
             **views.step, table_updates=self._table_update_views(num_staged),
             sampling=SamplingTensors(**views.sampling, all_greedy=all_greedy, any_filter=any_filter),
+            num_logprob_rows=len(plan.sampled_indices) if plan else 0,
+            num_top_logprobs=plan.num_top if plan else 0, prompt_logprob_targets=prompt_targets,
+            num_top_prompt_logprobs=plan.num_top_prompt if plan else 0,
             max_query_len=1 if pure_decode else max(batch.num_new_tokens), max_seq_len=max_seq_len,
             decode_num_splits=self.backend.decode_num_splits(num_seqs, max_seq_len, self.num_kv_heads),
             graph_size=graph_size)
@@ -374,7 +389,8 @@ class ModelRunner:
         views = self._views(size, size, size)
         return StepInputs(
             **views.step, table_updates=self._table_update_views(size),
-            sampling=SamplingTensors(**views.sampling, all_greedy=True, any_filter=False), max_query_len=1,
+            sampling=SamplingTensors(**views.sampling, all_greedy=True, any_filter=False), num_logprob_rows=0,
+            num_top_logprobs=0, prompt_logprob_targets=None, num_top_prompt_logprobs=0, max_query_len=1,
             max_seq_len=self.max_model_len,
             decode_num_splits=self.backend.decode_num_splits(size, self.max_model_len, self.num_kv_heads),
             graph_size=size)
@@ -384,23 +400,30 @@ class ModelRunner:
 
         The sampled ids are copied to pinned host memory behind an event; `wait` blocks on that event only."""
         upload = self.buffers.num_uploads  # the step's inputs are the latest upload
+        plan, self._logprob_plan = self._logprob_plan, None
         if self.device.type == "cpu":
-            self._last.sampled = self._forward_and_sample(inputs)
-            return StepHandle(self._last.sampled, None, None, None, upload)
+            self._last.sampled, sampled_lp, prompt_lp = self._forward_and_sample(inputs)
+            return StepHandle(self._last.sampled, None, None, None, upload,
+                              StepLogprobs(plan, sampled_lp, prompt_lp) if plan else None)
         # The step loop waits for step N before it launches step N+2: two output slots are never both in use.
         slot = self._output_slots[self._next_slot]
         self._next_slot ^= 1
         start, end = slot.timing
         stream = self.buffers.stream
         start.record(stream)
-        sampled = self._last.sampled = self._forward_and_sample(inputs)
+        sampled, sampled_lp, prompt_lp = self._forward_and_sample(inputs)
+        self._last.sampled = sampled
         end.record(stream)
         host = slot.host[:len(sampled)]
         host.copy_(sampled, non_blocking=True)
+        logprobs = StepLogprobs(plan, copy_to_host(sampled_lp), copy_to_host(prompt_lp)) if plan else None
         slot.ready.record(stream)
-        return StepHandle(sampled, host, slot.timing, slot.ready, upload)
+        return StepHandle(sampled, host, slot.timing, slot.ready, upload, logprobs)
 
-    def _forward_and_sample(self, inputs: StepInputs) -> torch.Tensor:
+    def _forward_and_sample(self, inputs: StepInputs
+                            ) -> tuple[torch.Tensor, TokenLogprobs | None, TokenLogprobs | None]:
+        """Sampled ids, and the logprobs of the rows that asked (None when none did: nothing runs for them)."""
+        prompt_lp = None
         if inputs.graph_size is not None:  # the graph applies the table updates and gathers the tables itself
             logits = self.graphs.replay(inputs.graph_size, inputs)
         else:
@@ -413,9 +436,33 @@ class ModelRunner:
                 decode_num_splits=inputs.decode_num_splits)
             hidden = self.model(inputs.input_ids, inputs.positions, meta)
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            if inputs.prompt_logprob_targets is not None:
+                prompt_lp = self._prompt_logprobs(hidden, inputs.prompt_logprob_targets,
+                                                  inputs.num_top_prompt_logprobs)
         if logits is None:  # a tensor-parallel worker: the logits were gathered to rank 0, which samples
-            return inputs.logits_indices[:0]
-        return sample(logits[:len(inputs.logits_indices)], inputs.sampling)
+            return inputs.logits_indices[:0], None, None
+        logits = logits[:len(inputs.logits_indices)]
+        sampled = sample(logits, inputs.sampling)
+        sampled_lp = None
+        if inputs.num_logprob_rows:
+            rows = inputs.logprob_rows[:inputs.num_logprob_rows]
+            sampled_lp = compute_logprobs(logits.index_select(0, rows), sampled.index_select(0, rows),
+                                          inputs.num_top_logprobs)
+        return sampled, sampled_lp, prompt_lp
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, num_top: int) -> TokenLogprobs | None:
+        """Logprobs of the prompt tokens `targets` scores ([2, n]: token index in the step, prompt token), from
+        the logits of those positions, computed a chunk at a time (every rank: the LM head is collective)."""
+        parts = []
+        for start in range(0, targets.shape[1], _PROMPT_LOGITS_CHUNK):
+            chunk = targets[:, start:start + _PROMPT_LOGITS_CHUNK]
+            logits = self.model.compute_logits(hidden.index_select(0, chunk[0]))
+            if logits is not None:
+                parts.append(compute_logprobs(logits, chunk[1], num_top))
+        if not parts:
+            return None
+        return TokenLogprobs(*(torch.cat([getattr(part, name) for part in parts])
+                               for name in ("logprobs", "ranks", "top_ids", "top_logprobs")))
 
     def wait(self, handle: StepHandle) -> tuple[list[int], float | None]:
         """The step's sampled ids, and its device time in seconds (None on the CPU)."""
