@@ -1,8 +1,7 @@
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import math
+from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20  # the most top-k alternatives `logprobs` / `prompt_logprobs` may ask for (vLLM's default cap)
 MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's cap)
@@ -117,6 +116,3 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be a bool")
 
-    def token_ids_used(self) -> list[int]:
-        """Every token id the settings name (the engine checks them against the vocabulary)."""
-        return [*self.stop_token_ids, *(self.logit_bias or {}), *(self.allowed_token_ids or [])]

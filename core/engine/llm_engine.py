@@ -41,6 +41,7 @@ class RequestOutput:
     logprobs: list[dict[int, Logprob]] | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     cumulative_logprob: float | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it; None for EOS or length
 
 
 class LLM:
@@ -62,6 +63,7 @@ class LLM:
         except BaseException:
             self.exit()
             raise
+        self._runner.controls.eos_token_ids = sorted(self._eos_token_ids())  # min_tokens bans them
         self._block_manager = BlockManager(self._runner.num_kv_blocks, self.config.block_size,
                                            self.config.enable_prefix_caching)
         self._scheduler = Scheduler(self._block_manager, self.config.max_num_seqs,
@@ -108,6 +110,10 @@ class LLM:
         token_ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
         if not token_ids:
             raise ValueError("the prompt is empty")
+        vocab_size = self._runner.vocab_size
+        for name in ("stop_token_ids", "logit_bias", "allowed_token_ids"):
+            if any(t >= vocab_size for t in getattr(params, name) or ()):
+                raise ValueError(f"SamplingParams.{name}: token ids must be below the vocabulary size {vocab_size}")
         seq_id = next(self._seq_ids)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         seq = Sequence(seq_id, str(seq_id) if request_id is None else request_id, token_ids, params, seed,
@@ -174,7 +180,7 @@ class LLM:
                                    seq.first_token_time, seq.finish_time)
         text = seq.stop_text
         if text is None and self.tokenizer is not None:
-            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
         logprobs = prompt_logprobs = None
         if seq.output_logprobs is not None or seq.prompt_logprob_entries is not None:
             decode = (lambda token_id: self.tokenizer.decode([token_id])) if self.tokenizer is not None else None
@@ -184,7 +190,8 @@ class LLM:
             text=text, token_ids=seq.output_token_ids, finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_prefix_hit_tokens or 0,
             arrival_time=seq.arrival_time, first_token_time=seq.first_token_time, finish_time=seq.finish_time,
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs, cumulative_logprob=seq.cumulative_logprob)
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, cumulative_logprob=seq.cumulative_logprob,
+            stop_reason=seq.stop_reason)
 
     # ---- batch API -----------------------------------------------------------------------------------------------
 

@@ -258,14 +258,21 @@ class Scheduler:
                     self._finish(seq, reason)
 
     def _stop_reason(self, seq: Sequence, token_id: int) -> str | None:
-        """Every stop rule, in vLLM's order: EOS and stop tokens, stop strings, then the length limit."""
+        """Every stop rule, in vLLM's order: EOS and stop tokens, stop strings (neither before `min_tokens`
+        outputs), then the length limit. Sets `stop_reason` to the stop token id or stop string."""
         params = seq.params
-        if (not params.ignore_eos and token_id in self.eos_token_ids) or token_id in params.stop_token_ids:
-            return "stop"
-        if params.stop and self.stop_strings is not None:
-            seq.stop_text = self.stop_strings.check(seq)
-            if seq.stop_text is not None:
+        if seq.num_output_tokens >= params.min_tokens:
+            if token_id in params.stop_token_ids:
+                seq.stop_reason = token_id
                 return "stop"
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                return "stop"
+            if params.stop and self.stop_strings is not None:
+                found = self.stop_strings.check(seq)
+                if found is not None:
+                    text, seq.stop_reason = found
+                    seq.stop_text = text + seq.stop_reason if params.include_stop_str_in_output else text
+                    return "stop"
         if seq.num_tokens >= seq.max_len:
             return "length"
         return None

@@ -31,6 +31,14 @@ class StepInputs:
     # None when no row asks. A small upload of its own, only in the steps that carry some.
     prompt_logprob_targets: torch.Tensor | None
     num_top_prompt_logprobs: int
+    # Penalties (runner/logit_controls.py): the sampled rows holding a token-history slot, their slots and values.
+    penalty_rows: torch.Tensor = buffer(torch.int64, SEQS)
+    penalty_slots: torch.Tensor = buffer(torch.int64, SEQS)
+    repetition_penalties: torch.Tensor = buffer(torch.float32, SEQS)
+    presence_penalties: torch.Tensor = buffer(torch.float32, SEQS)
+    frequency_penalties: torch.Tensor = buffer(torch.float32, SEQS)
+    num_penalty_rows: int
+    logit_controls: bool  # some row of the step has penalties or logit controls (False: none of them runs)
     # [2, n] table entries new to the device (flat indices, then block ids), applied first. Last in the layout:
     # it is uploaded only as far as a step uses it.
     table_updates: torch.Tensor = buffer(torch.int32, UPDATES, graph=True)

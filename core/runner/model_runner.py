@@ -17,6 +17,7 @@ from nanovllm.models.llama import head_dim_of, kv_block_bytes, kv_heads_per_rank
 from nanovllm.models.registry import model_class_for
 from nanovllm.runner.cuda_graphs import DecodeGraphs
 from nanovllm.runner.inputs import StepHandle, StepInputs
+from nanovllm.runner.logit_controls import LogitControls
 from nanovllm.runner.logprob_step import LogprobPlan, StepLogprobs, copy_to_host, plan_logprobs
 from nanovllm.runner.step_buffers import (
     ROWS,
@@ -133,6 +134,7 @@ class ModelRunner:
         self.buffers = StepBuffers(self._buffer_fields(), self.device)
         # Rows for twice the running sequences: released ones may still be read by the step in flight.
         self.rows = SequenceRows(2 * self.max_batch_size, self.max_blocks_per_seq, self.vocab_size)
+        self.controls = self.rows.controls = LogitControls(len(self.rows.host_tables), self.vocab_size, self.device)
         self.tables = DeviceBlockTables(len(self.rows.host_tables), self.max_blocks_per_seq, self.device)
         # Memoised slicing of the device views (a torch call per tensor, and a step of a given size recurs). The
         # caches hold the views, not the runner, so that dropping the engine frees it without a garbage collection.
@@ -163,6 +165,7 @@ class ModelRunner:
             self.graphs.release()
         self.model = self.kv_cache = self.graphs = self.tables = self.buffers = None
         self._views = self._pending_views = self._table_update_views = self._last = None
+        self.controls = self.rows.controls = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -265,6 +268,10 @@ class ModelRunner:
         all_greedy, any_filter = self._fill_sampling(host, rows, ends)
         if plan is not None:
             host["logprob_rows"][:len(plan.sampled_indices)] = plan.sampled_indices
+        controls_on = self.controls.num_rows > 0
+        num_penalty_rows = self.controls.stage(host, rows, batch.samples) if controls_on else 0
+        if controls_on and all_greedy:  # min_tokens reads each row's output length
+            np.subtract(ends, self.rows.num_prompt_tokens[rows], out=host["sample_positions"][:num_seqs])
         num_gathered = 0 if copy_all else self._stage_pending(host, batch, rows)
         self._remember_rows(rows)
         self.buffers.upload(2 * num_staged)
@@ -284,7 +291,8 @@ class ModelRunner:
             sampling=SamplingTensors(**views.sampling, all_greedy=all_greedy, any_filter=any_filter),
             num_logprob_rows=len(plan.sampled_indices) if plan else 0,
             num_top_logprobs=plan.num_top if plan else 0, prompt_logprob_targets=prompt_targets,
-            num_top_prompt_logprobs=plan.num_top_prompt if plan else 0,
+            num_top_prompt_logprobs=plan.num_top_prompt if plan else 0, num_penalty_rows=num_penalty_rows,
+            logit_controls=controls_on,
             max_query_len=1 if pure_decode else max(batch.num_new_tokens), max_seq_len=max_seq_len,
             decode_num_splits=self.backend.decode_num_splits(num_seqs, max_seq_len, self.num_kv_heads),
             graph_size=graph_size)
@@ -390,7 +398,8 @@ class ModelRunner:
         return StepInputs(
             **views.step, table_updates=self._table_update_views(size),
             sampling=SamplingTensors(**views.sampling, all_greedy=True, any_filter=False), num_logprob_rows=0,
-            num_top_logprobs=0, prompt_logprob_targets=None, num_top_prompt_logprobs=0, max_query_len=1,
+            num_top_logprobs=0, prompt_logprob_targets=None, num_top_prompt_logprobs=0, num_penalty_rows=0,
+            logit_controls=False, max_query_len=1,
             max_seq_len=self.max_model_len,
             decode_num_splits=self.backend.decode_num_splits(size, self.max_model_len, self.num_kv_heads),
             graph_size=size)
@@ -442,7 +451,18 @@ class ModelRunner:
         if logits is None:  # a tensor-parallel worker: the logits were gathered to rank 0, which samples
             return inputs.logits_indices[:0], None, None
         logits = logits[:len(inputs.logits_indices)]
-        sampled = sample(logits, inputs.sampling)
+        scores, penalty = logits, None
+        if inputs.logit_controls:
+            count = inputs.num_penalty_rows
+            if count:
+                penalty = (inputs.penalty_rows[:count], inputs.penalty_slots[:count],
+                           inputs.repetition_penalties[:count], inputs.presence_penalties[:count],
+                           inputs.frequency_penalties[:count])
+            scores = self.controls.apply(logits, inputs.rows[:len(logits)], inputs.sampling.sample_positions,
+                                         penalty)
+        sampled = sample(scores, inputs.sampling)
+        if penalty is not None:
+            self.controls.record(sampled, penalty[0], penalty[1])
         sampled_lp = None
         if inputs.num_logprob_rows:
             rows = inputs.logprob_rows[:inputs.num_logprob_rows]

@@ -24,6 +24,7 @@ import torch
 
 if TYPE_CHECKING:
     from nanovllm.engine.sequence import Sequence
+    from nanovllm.runner.logit_controls import LogitControls
 
 _ALIGN = 64
 
@@ -176,6 +177,7 @@ class SequenceRows:
         self.logprobs = np.full(rows, -1, dtype=np.int64)  # top-k asked per sampled token; -1 = none
         self.prompt_logprobs = np.full(rows, -1, dtype=np.int64)  # top-k asked per prompt token; -1 = none
         self.num_asking = 0  # assigned rows with either set: a step checks this before looking further
+        self.controls: LogitControls | None = None  # rank 0's penalties and logit controls, kept by row
         self._vocab_size = vocab_size
         self._rows: dict[int, _Row] = {}  # seq_id -> its row's state
         self.row_of: dict[int, int] = {}  # seq_id -> row
@@ -190,6 +192,8 @@ class SequenceRows:
                 del self.row_of[seq_id]
                 self._free.append(entry.index)
                 self._set_logprobs(entry.index, None, None)
+                if self.controls is not None:
+                    self.controls.clear(entry.index)
 
     def sync(self, changed: list[Sequence]) -> tuple[list[int], list[int]]:
         """Bring the rows of `changed` (admitted, or whose table grew) up to date on the host. Returns the table
@@ -230,6 +234,8 @@ class SequenceRows:
         self.num_prompt_tokens[row] = seq.num_prompt_tokens
         self.num_shared_kv_tokens[row] = seq.num_shared_kv_tokens
         self._set_logprobs(row, params.logprobs, params.prompt_logprobs)
+        if self.controls is not None:
+            self.controls.fill(row, params, seq.token_ids, seq.num_prompt_tokens)
         return entry
 
     def _set_logprobs(self, row: int, logprobs: int | None, prompt_logprobs: int | None) -> None:
