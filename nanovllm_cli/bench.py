@@ -16,6 +16,7 @@ from nanovllm_cli import options as o
 from nanovllm_cli.options import EngineOptions, with_engine_options
 
 WORKLOAD = "Workload"
+SAMPLING = "Sampling"
 
 
 @dataclass
@@ -65,15 +66,18 @@ def warmup_workload(llm, seed: int) -> Workload:
     return Workload(prompts, output_lens)
 
 
-def run_workload(llm, workload: Workload, label: str, show_progress: bool) -> dict:
+def run_workload(llm, workload: Workload, label: str, show_progress: bool, sampling: dict | None = None) -> dict:
+    """Every request of `workload` (EOS ignored) with the `sampling` settings (SamplingParams fields; greedy by
+    default); the engine's step stats."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from nanovllm import SamplingParams
 
     llm.reset_prefix_cache()
     llm.reset_stats()
+    settings = {"temperature": 0, **(sampling or {})}
     for prompt, max_tokens in zip(workload.prompts, workload.output_lens):
-        llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+        llm.add_request(prompt, SamplingParams(**settings, max_tokens=max_tokens, ignore_eos=True))
     with Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   disable=not show_progress, transient=True) as progress:
         task = progress.add_task(label, total=len(workload.prompts))
@@ -98,12 +102,20 @@ def bench(
     compare: Annotated[bool, typer.Option(
         "--compare", help="Run the sync and the async loop on the same workload and engine, and compare.")] = False,
     warmup: Annotated[bool, typer.Option(help="A warm-up run before each measured one.")] = True,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature (0: greedy).",
+                                               rich_help_panel=SAMPLING)] = 0.0,
+    top_p: Annotated[float, typer.Option(help="Top-p (1: off).", rich_help_panel=SAMPLING)] = 1.0,
+    top_k: Annotated[int, typer.Option(help="Top-k (-1: off).", rich_help_panel=SAMPLING)] = -1,
+    min_p: Annotated[float, typer.Option(help="Min-p (0: off).", rich_help_panel=SAMPLING)] = 0.0,
+    logprobs: Annotated[int | None, typer.Option(
+        help="Logprobs of each generated token with the top K alternatives.", rich_help_panel=SAMPLING)] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
     *,
     engine: EngineOptions,
 ) -> None:
     """Measure offline throughput: by default 256 requests of random tokens, prompt and output lengths uniform in
-    [100, 1024], EOS ignored, greedy. `--compare` runs both step loops on one engine; `--json` for machines."""
+    [100, 1024], EOS ignored, greedy (or the sampling options). `--compare` runs both step loops on one engine;
+    `--json` for machines."""
     import torch
     from rich.console import Console
 
@@ -112,6 +124,13 @@ def bench(
     for name, (lo, hi) in (("--input-len-range", input_len_range), ("--output-len-range", output_len_range)):
         if not 1 <= lo <= hi:
             raise o.fail(f"{name} needs 1 <= LO <= HI, got {lo} {hi}")
+    from nanovllm import SamplingParams
+
+    sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p, "logprobs": logprobs}
+    try:
+        SamplingParams(**sampling)
+    except ValueError as exc:
+        raise o.fail(str(exc).replace("SamplingParams.", "--").replace("_", "-")) from None
     llm = o.load_llm(engine)
     console = Console(stderr=True)
     info = llm.info
@@ -137,8 +156,8 @@ def bench(
             label = "async" if overlap else "sync"
             llm.set_async_scheduling(overlap)
             if warmup:
-                run_workload(llm, warmup_workload(llm, seed), f"{label} warm-up", False)
-            stats = run_workload(llm, workload, label, console.is_terminal and not json_output)
+                run_workload(llm, warmup_workload(llm, seed), f"{label} warm-up", False, sampling)
+            stats = run_workload(llm, workload, label, console.is_terminal and not json_output, sampling)
             stats["roofline_s"] = roofline_s
             stats["roofline_frac"] = roofline_s / stats["wall_s"] if roofline_s and stats["wall_s"] else None
             results[label] = stats
@@ -152,7 +171,8 @@ def bench(
                      "output_tokens": sum(workload.output_lens),
                      "source": str(dataset) if dataset else {"input_len_range": list(input_len_range),
                                                              "output_len_range": list(output_len_range),
-                                                             "seed": seed}},
+                                                             "seed": seed},
+                     "sampling": sampling},
         "engine": {"block_size": info.block_size, "max_num_seqs": info.max_num_seqs,
                    "max_num_batched_tokens": info.max_num_batched_tokens, "num_kv_blocks": info.num_kv_blocks,
                    "cuda_graphs": info.cuda_graphs, "attention_backend": info.attention_backend,
