@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 MAX_LOGPROBS = 20  # the most top-k alternatives `logprobs` / `prompt_logprobs` may ask for (vLLM's default cap)
 MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's cap)
 MAX_ALLOWED_TOKEN_IDS = 100_000  # entries of allowed_token_ids
+MAX_N = 128  # completions per prompt (n, best_of)
 
 
 @dataclass
@@ -30,6 +31,9 @@ class SamplingParams:
     `frequency_penalty` and `presence_penalty` (in [-2, 2]; logit -= frequency * count + presence * (count > 0)
     over output tokens). `include_stop_str_in_output` keeps the stop string in the text;
     `skip_special_tokens` (default True) drops special tokens from the text.
+
+    `n` completions per prompt share its prefill (see BlockManager.fork); completion i draws with seed + i.
+    `best_of` (>= n) generates that many and keeps the n with the highest cumulative logprob.
     """
 
     temperature: float = 1.0
@@ -51,6 +55,8 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    n: int = 1
+    best_of: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -112,6 +118,11 @@ class SamplingParams:
                 raise bad("allowed_token_ids", f"must be a non-empty list of at most {MAX_ALLOWED_TOKEN_IDS} token ids")
             if not all(token_id(t) for t in self.allowed_token_ids):
                 raise bad("allowed_token_ids", "must hold token ids (integers >= 0)")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:
+            raise bad("n", f"must be an integer in [1, {MAX_N}]")
+        if self.best_of is not None and (not isinstance(self.best_of, int) or isinstance(self.best_of, bool)
+                                         or not self.n <= self.best_of <= MAX_N):
+            raise bad("best_of", f"must be None or an integer in [n, {MAX_N}]")
         for name in ("include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be a bool")

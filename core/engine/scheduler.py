@@ -191,7 +191,13 @@ class Scheduler:
         # Admitting new work right after a preemption would only thrash the cache.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not self.block_manager.admit(seq, budget):
+            parent = seq.parent
+            if parent is not None and parent.status is SequenceStatus.RUNNING:
+                if parent.num_computed_tokens < parent.num_prompt_tokens:
+                    break  # a sibling completion waits for the shared prompt's prefill
+                if not self.block_manager.fork(parent, seq, budget):
+                    break
+            elif not self.block_manager.admit(seq, budget):
                 break
             self.waiting.popleft()
             self._running_version += 1
