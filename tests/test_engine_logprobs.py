@@ -131,3 +131,22 @@ def test_cumulative_logprob_is_finite_for_sampled_rows(tiny_model_dirs):
     output = llm.generate([[5, 6, 7]], SamplingParams(temperature=1.5, seed=2, max_tokens=16, ignore_eos=True,
                                                       logprobs=1))[0]
     assert math.isfinite(output.cumulative_logprob) and output.cumulative_logprob < 0
+
+
+def test_tensor_parallel_logprobs_and_controls_equal_tp1(tiny_model_dirs):
+    # TP=2 workers receive the prompt-logprob targets and run the chunked LM head with rank 0 (a collective).
+    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2, prompt_logprobs=2,
+                             repetition_penalty=1.5, logit_bias={17: 2.0}),
+              SamplingParams(temperature=0.9, seed=4, max_tokens=6, ignore_eos=True, logprobs=1, n=2)]
+    engine = dict(max_model_len=256, num_kv_blocks=64, block_size=16, max_num_batched_tokens=32)
+    runs = []
+    for tp in (1, 2):
+        with LLM(str(tiny_model_dirs["qwen3"]), tensor_parallel_size=tp, async_scheduling=True, **engine) as llm:
+            runs.append(llm.generate(PROMPTS[2:4], params))
+    for one, two in zip(*runs):
+        assert [c.token_ids for c in one.outputs] == [c.token_ids for c in two.outputs]
+        assert one.cumulative_logprob == pytest.approx(two.cumulative_logprob, abs=1e-4)
+        if one.prompt_logprobs is not None:
+            assert [None if p is None else {t: lp.logprob for t, lp in p.items()} for p in one.prompt_logprobs] == [
+                None if p is None else pytest.approx({t: lp.logprob for t, lp in p.items()}, abs=1e-4)
+                for p in two.prompt_logprobs]
