@@ -17,6 +17,10 @@ def _is_float32(value: object) -> bool:
     """A finite number that float32 holds without overflowing to infinity (the sampler's dtype)."""
     return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
             and abs(value) <= _FLOAT32_MAX)
+MAX_LOGPROBS = 20  # the most top-k alternatives `logprobs` / `prompt_logprobs` may ask for (vLLM's default cap)
+MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's cap)
+MAX_ALLOWED_TOKEN_IDS = 100_000  # entries of allowed_token_ids
+MAX_N = 128  # completions per prompt (n, best_of)
 
 
 @dataclass
@@ -28,6 +32,24 @@ class SamplingParams:
     the engine seed, and a seeded request gives the same tokens whatever else is in the batch.
     `structured_outputs` constrains the output (a JSON schema, any JSON object, a regex, a choice, an EBNF
     grammar; docs/STRUCTURED_OUTPUTS.md): a StructuredOutputsParams, or a dict of its fields.
+
+    `logprobs = k` returns, for each generated token, its logprob and rank and the k most likely tokens with
+    theirs; `prompt_logprobs = k` the same for every prompt token after the first. Both are logprobs of the
+    model's raw distribution (log_softmax of the logits before temperature or any filter), k in [0, MAX_LOGPROBS].
+    A request with `prompt_logprobs` takes no prefix-cache hits: its whole prompt is computed, so every position
+    has logits.
+
+    Penalties and logit controls (vLLM's semantics, applied on the device before temperature and the filters,
+    in this order): `allowed_token_ids` (every other token is banned), `min_tokens` (EOS — unless ignore_eos —
+    and stop_token_ids are banned until that many tokens are out; stop strings are not checked before either),
+    `logit_bias` ({token id: bias in [-100, 100]} added to the logit), `repetition_penalty` (> 0; a token seen in
+    the prompt or the output has a positive logit divided by it, a negative one multiplied), then OpenAI's
+    `frequency_penalty` and `presence_penalty` (in [-2, 2]; logit -= frequency * count + presence * (count > 0)
+    over output tokens). `include_stop_str_in_output` keeps the stop string in the text;
+    `skip_special_tokens` (default True) drops special tokens from the text.
+
+    `n` completions per prompt share its prefill (see BlockManager.fork); completion i draws with seed + i.
+    `best_of` (>= n) generates that many and keeps the n with the highest cumulative logprob.
     """
 
     temperature: float = 1.0
@@ -40,6 +62,18 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    n: int = 1
+    best_of: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, dict):
@@ -79,3 +113,44 @@ class SamplingParams:
             raise bad("seed", "must be an integer in [-2**63, 2**63 - 1] or None")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise bad("structured_outputs", "must be a StructuredOutputsParams, a dict of its fields, or None")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or not 0 <= value <= MAX_LOGPROBS):
+                raise bad(name, f"must be None or an integer in [0, {MAX_LOGPROBS}]")
+        self._validate_controls(bad)
+
+    def _validate_controls(self, bad) -> None:
+        number = _is_float32
+
+        def token_id(value) -> bool:
+            return _is_int64(value) and value >= 0
+
+        if not number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", "must be a finite number > 0")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not number(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
+                raise bad(name, "must be a finite number in [-2, 2]")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or not (
+                0 <= self.min_tokens <= self.max_tokens):
+            raise bad("min_tokens", "must be an integer in [0, max_tokens]")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise bad("logit_bias", f"must be a dict of at most {MAX_LOGIT_BIAS} token ids to biases")
+            if not all(token_id(t) and number(b) and -100 <= b <= 100 for t, b in self.logit_bias.items()):
+                raise bad("logit_bias", "keys must be token ids (integers >= 0), values finite numbers in [-100, 100]")
+        if self.allowed_token_ids is not None:
+            if (not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
+                    or len(self.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS):
+                raise bad("allowed_token_ids", f"must be a non-empty list of at most {MAX_ALLOWED_TOKEN_IDS} token ids")
+            if not all(token_id(t) for t in self.allowed_token_ids):
+                raise bad("allowed_token_ids", "must hold token ids (integers >= 0)")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:
+            raise bad("n", f"must be an integer in [1, {MAX_N}]")
+        if self.best_of is not None and (not isinstance(self.best_of, int) or isinstance(self.best_of, bool)
+                                         or not self.n <= self.best_of <= MAX_N):
+            raise bad("best_of", f"must be None or an integer in [n, {MAX_N}]")
+        for name in ("include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "must be a bool")
+

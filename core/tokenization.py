@@ -39,12 +39,14 @@ class PromptTokenizer:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         return list(prompt)
 
-    def apply_chat_template(self, conversation: list[dict]) -> list[int]:
+    def apply_chat_template(self, conversation: list[dict], template_kwargs: dict | None = None) -> list[int]:
+        """`template_kwargs` go to the template (e.g. {"enable_thinking": False})."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"model {self.model_name!r} has no chat template")
         if not isinstance(conversation, list) or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                 for m in conversation) or not conversation:
             raise ValueError("a conversation must be a non-empty list of {'role': str, 'content': str} messages")
-        text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True,
+                                                  **(template_kwargs or {}))
         return self.tokenizer(text, add_special_tokens=False).input_ids

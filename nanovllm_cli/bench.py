@@ -16,6 +16,7 @@ from nanovllm_cli import options as o
 from nanovllm_cli.options import EngineOptions, with_engine_options
 
 WORKLOAD = "Workload"
+SAMPLING = "Sampling"
 
 
 @dataclass
@@ -65,17 +66,19 @@ def warmup_workload(llm, seed: int) -> Workload:
     return Workload(prompts, output_lens)
 
 
-def run_workload(llm, workload: Workload, label: str, show_progress: bool, structured=None) -> tuple[dict, list]:
-    """Greedy, EOS ignored; each request constrained by `structured` (a StructuredOutputsParams) when given, which
-    ends a request when its output is complete. Returns the stats and the outputs in workload order."""
+def run_workload(llm, workload: Workload, label: str, show_progress: bool,
+                 sampling: dict | None = None) -> tuple[dict, list]:
+    """Every request of `workload` (EOS ignored) with the `sampling` settings (SamplingParams fields, a
+    structured-output constraint included; greedy by default). Returns the engine's step stats and the outputs in
+    workload order."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from nanovllm import SamplingParams
 
     llm.reset_prefix_cache()
     llm.reset_stats()
-    request_ids = [llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
-                                                          structured_outputs=structured))
+    settings = {"temperature": 0, **(sampling or {})}
+    request_ids = [llm.add_request(prompt, SamplingParams(**settings, max_tokens=max_tokens, ignore_eos=True))
                    for prompt, max_tokens in zip(workload.prompts, workload.output_lens)]
     outputs = {}
     with Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -103,14 +106,15 @@ def compile_times(llm, structured) -> dict:
             "cached_s": time.perf_counter() - compiled}
 
 
-def structured_pair(llm, workload: Workload, structured, label: str, show_progress: bool) -> dict:
+def structured_pair(llm, workload: Workload, sampling: dict, structured, label: str, show_progress: bool) -> dict:
     """The workload constrained, then the same prompts unconstrained with each request's output length as the
     constrained run gave it (EOS ignored): the same tokens, so the throughputs compare like for like."""
-    stats, outputs = run_workload(llm, workload, f"{label} structured", show_progress, structured)
+    stats, outputs = run_workload(llm, workload, f"{label} structured", show_progress,
+                                  {**sampling, "structured_outputs": structured})
     stats["rows_complete"] = sum(bool(out.structured_complete) for out in outputs)
     stats["rows_failed"] = sum(out.finish_reason == "error" for out in outputs)
     same_lengths = Workload(workload.prompts, [max(len(out.token_ids), 1) for out in outputs])
-    unstructured, _ = run_workload(llm, same_lengths, f"{label} unstructured", show_progress)
+    unstructured, _ = run_workload(llm, same_lengths, f"{label} unstructured", show_progress, sampling)
     return {"structured": stats, "unstructured": unstructured,
             "structured_over_unstructured": stats["output_tok_s"] / unstructured["output_tok_s"]}
 
@@ -138,12 +142,20 @@ def bench(
     schema: Annotated[Path | None, typer.Option(
         help="The JSON schema file of --structured json-schema.", exists=True, dir_okay=False,
         rich_help_panel=WORKLOAD)] = None,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature (0: greedy).",
+                                               rich_help_panel=SAMPLING)] = 0.0,
+    top_p: Annotated[float, typer.Option(help="Top-p (1: off).", rich_help_panel=SAMPLING)] = 1.0,
+    top_k: Annotated[int, typer.Option(help="Top-k (-1: off).", rich_help_panel=SAMPLING)] = -1,
+    min_p: Annotated[float, typer.Option(help="Min-p (0: off).", rich_help_panel=SAMPLING)] = 0.0,
+    logprobs: Annotated[int | None, typer.Option(
+        help="Logprobs of each generated token with the top K alternatives.", rich_help_panel=SAMPLING)] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
     *,
     engine: EngineOptions,
 ) -> None:
     """Measure offline throughput: by default 256 requests of random tokens, prompt and output lengths uniform in
-    [100, 1024], EOS ignored, greedy. `--compare` runs both step loops on one engine; `--json` for machines."""
+    [100, 1024], EOS ignored, greedy (or the sampling options). `--compare` runs both step loops on one engine;
+    `--json` for machines."""
     import torch
     from rich.console import Console
 
@@ -153,6 +165,14 @@ def bench(
         if not 1 <= lo <= hi:
             raise o.fail(f"{name} needs 1 <= LO <= HI, got {lo} {hi}")
     constraint = _structured_constraint(structured, schema)
+
+    from nanovllm import SamplingParams
+
+    sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p, "logprobs": logprobs}
+    try:
+        SamplingParams(**sampling)
+    except ValueError as exc:
+        raise o.fail(str(exc).replace("SamplingParams.", "--").replace("_", "-")) from None
     llm = o.load_llm(engine)
     console = Console(stderr=True)
     info = llm.info
@@ -179,15 +199,15 @@ def bench(
             label = "async" if overlap else "sync"
             llm.set_async_scheduling(overlap)
             if warmup:
-                run_workload(llm, warmup_workload(llm, seed), f"{label} warm-up", False)
+                run_workload(llm, warmup_workload(llm, seed), f"{label} warm-up", False, sampling)
             show = console.is_terminal and not json_output
             if constraint is not None:
                 if warmup:  # the mask's buffers and kernel, first used here
                     run_workload(llm, Workload(workload.prompts[:16], [8] * 16), f"{label} warm-up", False,
-                                 constraint)
-                results[label] = structured_pair(llm, workload, constraint, label, show)
+                                 {**sampling, "structured_outputs": constraint})
+                results[label] = structured_pair(llm, workload, sampling, constraint, label, show)
                 continue
-            stats, _ = run_workload(llm, workload, label, show)
+            stats, _ = run_workload(llm, workload, label, show, sampling)
             stats["roofline_s"] = roofline_s
             stats["roofline_frac"] = roofline_s / stats["wall_s"] if roofline_s and stats["wall_s"] else None
             results[label] = stats
@@ -201,7 +221,8 @@ def bench(
                      "output_tokens": sum(workload.output_lens),
                      "source": str(dataset) if dataset else {"input_len_range": list(input_len_range),
                                                              "output_len_range": list(output_len_range),
-                                                             "seed": seed}},
+                                                             "seed": seed},
+                     "sampling": sampling},
         "engine": {"block_size": info.block_size, "max_num_seqs": info.max_num_seqs,
                    "max_num_batched_tokens": info.max_num_batched_tokens, "num_kv_blocks": info.num_kv_blocks,
                    "cuda_graphs": info.cuda_graphs, "attention_backend": info.attention_backend,

@@ -1,10 +1,13 @@
 """Output records, one per input row: plain result rows, or OpenAI batch output lines for OpenAI input.
 
 Plain: {"id", "text", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "error",
-"structured_complete"} (+ "prompt_token_ids", "token_ids" with --include-token-ids); a failed row has
-finish_reason "error". `structured_complete` (null for an unconstrained row; in an OpenAI line, in the choice of a
-constrained one) is false when the output was cut before its constraint was complete (max_tokens, a stop string):
-the text may not parse.
+"structured_complete", "input_fingerprint"} (+ "prompt_token_ids", "token_ids" with --include-token-ids;
++ "logprobs", "prompt_logprobs" when the row asked: per token {"token_id", "token", "logprob", "rank",
+"top_logprobs": [{"token_id", "token", "logprob"}]}, the first prompt token null; + "completions": [{"index",
+"text", "finish_reason", "stop_reason", "logprobs"}] when n > 1); a failed row has finish_reason "error".
+`structured_complete` (null for an unconstrained row; in an OpenAI line, in the choice of a constrained one) is
+false when the output was cut before its constraint was complete (max_tokens, a stop string): the text may not
+parse.
 OpenAI: {"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}, where body is a
 chat.completion or text_completion object with "usage", or {"error": {...}} for a failed row.
 Both carry "input_fingerprint", the hash of the row they answer, so `--resume` can tell a changed row.
@@ -18,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from nanovllm import RequestOutput
+from nanovllm.engine.llm_engine import CompletionOutput
 from nanovllm_cli.rows import RowError, RowRequest
 
 PLAIN_FIELDS = ("id", "text", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "error",
@@ -80,23 +84,26 @@ class RecordBuilder:
                       "input_fingerprint": self.fingerprints.get(request.id)}
             if self.layout.include_token_ids:
                 record.update(prompt_token_ids=output.prompt_token_ids, token_ids=output.token_ids)
+            k, prompt_k = request.params.logprobs, request.params.prompt_logprobs
+            if output.logprobs is not None:
+                record["logprobs"] = _plain_positions(output.token_ids, output.logprobs, k)
+            if output.prompt_logprobs is not None:
+                record["prompt_logprobs"] = _plain_positions(output.prompt_token_ids, output.prompt_logprobs, prompt_k)
+            if len(output.outputs) > 1:
+                record["completions"] = [
+                    {"index": c.index, "text": c.text, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                     "logprobs": None if c.logprobs is None else _plain_positions(c.token_ids, c.logprobs, k)}
+                    for c in output.outputs]
             return record
         chat = request.endpoint != "completions"
-        choice = {"index": 0, "logprobs": None, "finish_reason": output.finish_reason}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": output.text}
-        else:
-            choice["text"] = output.text
-        if output.structured_complete is not None:
-            choice["structured_complete"] = output.structured_complete
-        if self.layout.include_token_ids:
-            choice["token_ids"] = output.token_ids
+        choices = [self._choice(request, output, c, chat) for c in output.outputs]
+        completion = sum(len(c.token_ids) for c in output.outputs)
         body = {
             "id": _random_id("chatcmpl-" if chat else "cmpl-"),
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
             "model": self.model,
-            "choices": [choice],
+            "choices": choices,
             "usage": {"prompt_tokens": output.num_prompt_tokens, "completion_tokens": completion,
                       "total_tokens": output.num_prompt_tokens + completion,
                       "prompt_tokens_details": {"cached_tokens": output.num_cached_tokens}},
@@ -104,6 +111,30 @@ class RecordBuilder:
         return {"id": _random_id("batch_req_"), "custom_id": request.id,
                 "response": {"status_code": 200, "request_id": _random_id("req_"), "body": body}, "error": None,
                 "input_fingerprint": self.fingerprints.get(request.id)}
+
+    def _choice(self, request: RowRequest, output: RequestOutput, c: CompletionOutput, chat: bool) -> dict:
+        """One OpenAI choice: its message or text, and logprobs in the endpoint's exact shape."""
+        choice = {"index": c.index, "logprobs": None, "finish_reason": c.finish_reason}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": c.text}
+            if c.logprobs is not None:
+                choice["logprobs"] = {"content": [_chat_position(token_id, p, request.params.logprobs)
+                                                  for token_id, p in zip(c.token_ids, c.logprobs)]}
+        else:
+            text = c.text
+            if request.echo and isinstance(request.payload, str):  # a token-id prompt has no text to echo
+                text = request.payload + (text or "")
+            choice["text"] = text
+            if c.logprobs is not None:
+                positions = list(zip(c.token_ids, c.logprobs))
+                if request.echo and output.prompt_logprobs is not None:
+                    positions = list(zip(output.prompt_token_ids, output.prompt_logprobs)) + positions
+                choice["logprobs"] = _completions_logprobs(positions, request.params.logprobs)
+        if output.structured_complete is not None:
+            choice["structured_complete"] = output.structured_complete
+        if self.layout.include_token_ids:
+            choice["token_ids"] = c.token_ids
+        return choice
 
     def error(self, error: RowError, prompt_tokens: int = 0, status_code: int = 400) -> dict:
         """400: the row is invalid; 500: the engine failed on a valid row."""
@@ -120,3 +151,53 @@ class RecordBuilder:
         return {"id": _random_id("batch_req_"), "custom_id": error.id,
                 "response": {"status_code": status_code, "request_id": _random_id("req_"), "body": body},
                 "error": {"code": code, "message": error.message}, "input_fingerprint": self.fingerprints.get(error.id)}
+
+
+def _top(position: dict, num_top: int) -> list:
+    """The k most likely of a position's {token id: Logprob} (the scored token is there only when among them)."""
+    return sorted(position.items(), key=lambda item: item[1].rank)[:num_top]
+
+
+def _plain_position(token_id: int, position: dict, num_top: int) -> dict:
+    """One position: the scored token (its logprob and rank) and its top alternatives."""
+    chosen = position[token_id]
+    return {"token_id": token_id, "token": chosen.decoded_token, "logprob": chosen.logprob, "rank": chosen.rank,
+            "top_logprobs": [{"token_id": tid, "token": lp.decoded_token, "logprob": lp.logprob}
+                             for tid, lp in _top(position, num_top)]}
+
+
+def _plain_positions(token_ids: list[int], positions: list, num_top: int) -> list[dict | None]:
+    return [None if p is None else _plain_position(t, p, num_top) for t, p in zip(token_ids, positions)]
+
+
+def _token_bytes(token: str | None) -> list[int] | None:
+    return None if token is None else list(token.encode("utf-8"))
+
+
+def _chat_position(token_id: int, position: dict, num_top: int) -> dict:
+    """OpenAI chat shape: {"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}."""
+    chosen = position[token_id]
+    top = _top(position, num_top)
+    return {"token": chosen.decoded_token, "logprob": chosen.logprob, "bytes": _token_bytes(chosen.decoded_token),
+            "top_logprobs": [{"token": lp.decoded_token, "logprob": lp.logprob, "bytes": _token_bytes(lp.decoded_token)}
+                             for _, lp in top]}
+
+
+def _completions_logprobs(positions: list[tuple[int, dict | None]], num_top: int) -> dict:
+    """OpenAI completions shape: parallel lists tokens, token_logprobs, top_logprobs ({token: logprob}) and
+    text_offset; an echoed first prompt token has null logprobs."""
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    offset = 0
+    for token_id, position in positions:
+        if position is None:
+            tokens.append(None)
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+        else:
+            chosen = position[token_id]
+            tokens.append(chosen.decoded_token)
+            token_logprobs.append(chosen.logprob)
+            top_logprobs.append({lp.decoded_token: lp.logprob for _, lp in _top(position, num_top)})
+        offsets.append(offset)
+        offset += len(tokens[-1] or "")
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}

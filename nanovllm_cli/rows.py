@@ -17,14 +17,22 @@ from nanovllm import SamplingParams, from_response_format
 from nanovllm_cli.readers import InvalidJson
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "seed",
-                   "ignore_eos", "structured_outputs")
+                   "ignore_eos", "structured_outputs", "n", "best_of", "logprobs", "prompt_logprobs",
+                   "repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens", "logit_bias",
+                   "allowed_token_ids", "include_stop_str_in_output", "skip_special_tokens")
 PROMPT_KEYS = {"prompt": "prompt", "messages": "messages", "prompt_token_ids": "token_ids"}
 OPENAI_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 # OpenAI body key -> SamplingParams field; max_completion_tokens comes after max_tokens, so it wins.
 OPENAI_SAMPLING_KEYS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens",
                         "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                         "stop": "stop", "stop_token_ids": "stop_token_ids", "seed": "seed",
-                        "ignore_eos": "ignore_eos"}
+                        "ignore_eos": "ignore_eos", "n": "n", "presence_penalty": "presence_penalty",
+                        "frequency_penalty": "frequency_penalty", "logit_bias": "logit_bias",
+                        "repetition_penalty": "repetition_penalty", "min_tokens": "min_tokens"}
+# Every other body key a line may carry, per endpoint; anything else is rejected by name (never ignored).
+OPENAI_OTHER_KEYS = {"chat": {"model", "messages", "user", "logprobs", "top_logprobs", "chat_template_kwargs",
+                              "response_format"},
+                     "completions": {"model", "prompt", "user", "logprobs", "echo", "best_of", "response_format"}}
 
 
 @dataclass
@@ -37,6 +45,8 @@ class RowRequest:
     payload: str | list
     params: SamplingParams
     endpoint: str | None = None  # OpenAI lines: "chat" | "completions"
+    echo: bool = False  # /v1/completions: the prompt (and its logprobs) leads the completion
+    chat_template_kwargs: dict | None = None
     token_ids: list[int] = field(default_factory=list)  # filled by tokenize_row
 
 
@@ -150,7 +160,7 @@ def _checked_payload(kind: str, payload: object, name: str) -> str | list:
     return payload
 
 
-def _plain_fields(row: dict) -> tuple[str, object, dict]:
+def _plain_fields(row: dict) -> tuple[str, object, dict, dict]:
     present = [key for key in PROMPT_KEYS if key in row]
     if len(present) != 1:
         which = "none" if not present else "more than one"
@@ -167,7 +177,44 @@ def _plain_fields(row: dict) -> tuple[str, object, dict]:
             raise RowProblem(f"unknown sampling parameter(s) {', '.join(unknown)} "
                              f"(known: {', '.join(SAMPLING_FIELDS)})")
         overrides.update({k: v for k, v in nested.items() if v is not None})
-    return kind, _checked_payload(kind, row[key], key), overrides
+    return kind, _checked_payload(kind, row[key], key), overrides, _template_kwargs(row)
+
+
+def _template_kwargs(container: dict) -> dict:
+    kwargs = container.get("chat_template_kwargs")
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise RowProblem(f"'chat_template_kwargs' must be an object, not {_type_name(kwargs)}")
+    return {"chat_template_kwargs": kwargs}
+
+
+def _openai_logprobs(endpoint: str, body: dict) -> dict:
+    """OpenAI's logprobs fields -> SamplingParams fields (and echo)."""
+    logprobs, extra = body.get("logprobs"), {}
+    if endpoint == "chat":
+        top = body.get("top_logprobs")
+        if logprobs not in (None, True, False):
+            raise RowProblem(f"body.logprobs must be true or false for chat completions, not {_type_name(logprobs)}")
+        if top is not None and not logprobs:
+            raise RowProblem("body.top_logprobs needs body.logprobs = true")
+        if logprobs:
+            extra["logprobs"] = 0 if top is None else top
+        return extra
+    if logprobs is not None:
+        if isinstance(logprobs, bool):
+            raise RowProblem("body.logprobs must be an integer for completions, not a boolean")
+        extra["logprobs"] = logprobs
+    echo = body.get("echo", False)
+    if not isinstance(echo, bool):
+        raise RowProblem(f"body.echo must be true or false, not {_type_name(echo)}")
+    if echo:
+        extra["echo"] = True
+        if logprobs is not None:
+            extra["prompt_logprobs"] = logprobs
+    if body.get("best_of") is not None:
+        extra["best_of"] = body["best_of"]
+    return extra
 
 
 def _openai_endpoint(row: dict) -> str | None:
@@ -175,7 +222,7 @@ def _openai_endpoint(row: dict) -> str | None:
     return OPENAI_ENDPOINTS.get(url) if isinstance(url, str) else None
 
 
-def _openai_fields(row: dict) -> tuple[str, object, dict]:
+def _openai_fields(row: dict) -> tuple[str, object, dict, dict]:
     endpoint = _openai_endpoint(row)
     if endpoint is None:
         raise RowProblem(f"unsupported url {row.get('url')!r} (use {' or '.join(OPENAI_ENDPOINTS)})")
@@ -184,11 +231,13 @@ def _openai_fields(row: dict) -> tuple[str, object, dict]:
     body = row.get("body")
     if not isinstance(body, dict):
         raise RowProblem(f"'body' must be an object, not {_type_name(body)}")
-    if body.get("n", 1) != 1:
-        raise RowProblem(f"n={body['n']!r} is not supported (one completion per request)")
     key = "messages" if endpoint == "chat" else "prompt"
     if key not in body:
         raise RowProblem(f"a {endpoint} request body needs '{key}'")
+    unknown = sorted(set(body) - set(OPENAI_SAMPLING_KEYS) - OPENAI_OTHER_KEYS[endpoint])
+    if unknown:
+        raise RowProblem(f"unsupported field(s) {', '.join('body.' + k for k in unknown)} for /v1/"
+                         f"{'chat/completions' if endpoint == 'chat' else 'completions'}")
     kind = "messages" if endpoint == "chat" else "token_ids" if isinstance(body[key], list) else "prompt"
     overrides = {name: body[key_] for key_, name in OPENAI_SAMPLING_KEYS.items() if body.get(key_) is not None}
     if body.get("response_format") is not None:
@@ -196,7 +245,11 @@ def _openai_fields(row: dict) -> tuple[str, object, dict]:
             overrides["structured_outputs"] = from_response_format(body["response_format"])
         except ValueError as exc:
             raise RowProblem(str(exc)) from None
-    return kind, _checked_payload(kind, body[key], f"body.{key}"), overrides
+    overrides.update(_openai_logprobs(endpoint, body))
+    extra = {"echo": overrides.pop("echo")} if "echo" in overrides else {}
+    if endpoint == "chat":
+        extra.update(_template_kwargs(body))
+    return kind, _checked_payload(kind, body[key], f"body.{key}"), overrides, extra
 
 
 class RowParser:
@@ -223,14 +276,20 @@ class RowParser:
             return RowError(row_id, where, "the row holds text that is not valid Unicode (a lone surrogate "
                             "escape such as \\ud800)", endpoint)
         try:
-            kind, payload, overrides = _openai_fields(row) if openai else _plain_fields(row)
+            kind, payload, overrides, extra = _openai_fields(row) if openai else _plain_fields(row)
             params = self._params(overrides, row_id)
         except RowProblem as exc:
             return RowError(row_id, where, str(exc), endpoint)
-        return RowRequest(row_id, where, kind, payload, params, endpoint)
+        return RowRequest(row_id, where, kind, payload, params, endpoint, **extra)
 
     def _params(self, overrides: dict, row_id: str) -> SamplingParams:
         values = {**self.defaults, **overrides}
+        bias = values.get("logit_bias")
+        if isinstance(bias, dict):  # JSON object keys are strings
+            try:
+                values["logit_bias"] = {int(k): v for k, v in bias.items()}
+            except ValueError:
+                raise RowProblem("invalid sampling parameters: logit_bias keys must be token ids") from None
         try:
             params = SamplingParams(**values)
         except (TypeError, ValueError) as exc:

@@ -15,7 +15,7 @@ def tokenize_row(request: RowRequest, tokenizer: PromptTokenizer) -> RowRequest 
     """Fill `request.token_ids`; a row the tokenizer or chat template rejects becomes a RowError."""
     try:
         if request.kind == "messages":
-            token_ids = tokenizer.apply_chat_template(request.payload)
+            token_ids = tokenizer.apply_chat_template(request.payload, request.chat_template_kwargs)
         else:
             token_ids = tokenizer.tokenize(request.payload)
     except (ValueError, TypeError, TemplateError) as exc:  # the row's problem, never the job's

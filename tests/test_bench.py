@@ -87,3 +87,25 @@ def test_warmup_passes_every_decode_graph_size():
     ladder = batch_size_ladder(64)
     reached = {next(size for size in ladder if size >= batch) for batch, _ in llm.stats.decode_host_s}
     assert reached == set(ladder)
+
+
+def test_sampling_options_reach_the_requests():
+    args = ["bench", "--model", "tiny-qwen3", "--load-format", "dummy", "--max-model-len", "256", "--num-seqs", "3",
+            "--input-len-range", "5", "20", "--output-len-range", "3", "6", "--no-warmup", "--json",
+            "--temperature", "0.8", "--top-p", "0.95", "--top-k", "50", "--min-p", "0.01", "--logprobs", "5"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["workload"]["sampling"] == {"temperature": 0.8, "top_p": 0.95, "top_k": 50, "min_p": 0.01,
+                                              "logprobs": 5}
+    llm = LLM("tiny-qwen3", load_format="dummy", max_model_len=256, num_kv_blocks=32)
+    seen = []
+    llm.add_request = lambda prompt, params: seen.append(params)
+    llm.has_unfinished_requests = lambda: False
+    run_workload(llm, synthetic_workload(2, (5, 9), (2, 3), 512, 0), "x", False, {"temperature": 0.8, "logprobs": 5})
+    assert [(p.temperature, p.logprobs, p.ignore_eos) for p in seen] == [(0.8, 5, True)] * 2
+
+
+def test_bad_sampling_option_is_a_usage_error():
+    result = CliRunner().invoke(app, ["bench", "--model", "tiny-qwen3", "--logprobs", "99"])
+    assert result.exit_code == 2 and "--logprobs" in result.output

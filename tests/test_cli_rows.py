@@ -92,7 +92,7 @@ def test_sampling_overrides():
     ({"custom_id": "a", "body": "x"}, "a", "'body' must be an object, not a string"),
     ({"custom_id": "a", "body": {"prompt": "x"}}, "a", "a chat request body needs 'messages'"),
     ({"custom_id": "a", "url": "/v1/completions", "body": {"prompt": ["x", "y"]}}, "a", "body.prompt"),
-    ({"custom_id": "a", "body": {"messages": CHAT, "n": 2}}, "a", "n=2 is not supported"),
+    ({"custom_id": "a", "body": {"messages": CHAT, "tools": []}}, "a", "unsupported field(s) body.tools"),
     ({"custom_id": ["a"], "body": {"messages": CHAT}}, "7", "the id must be a string or an integer"),
 ])
 def test_bad_rows_name_the_row_and_the_problem(row, row_id, problem):

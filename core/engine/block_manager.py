@@ -92,8 +92,22 @@ class BlockManager:
         """Give a waiting `seq` its prefix-cache hits and slots for up to `max_new_tokens` tokens after them, or
         return False (and change nothing) when the free blocks do not suffice. Sets `num_computed_tokens` to the
         tokens the hits serve; at least one token is left to compute."""
+        # A request for prompt logprobs needs the logits of every prompt position: it takes no hits.
+        return self._place(seq, self.match_prefix(seq) if seq.params.prompt_logprobs is None else [],
+                           max_new_tokens, lookup=True)
+
+    def fork(self, parent: Sequence, child: Sequence, max_new_tokens: int) -> bool:
+        """Admit a waiting `child` (a sibling completion of the same prompt) onto `parent`'s computed full prompt
+        blocks, shared by ref count; the child recomputes the prompt's last partial block (at least its last
+        token, for its own logits) into a fresh block instead of copying it. False (nothing changed) when the
+        free blocks do not suffice."""
+        num_shared = min(parent.num_computed_tokens, parent.num_prompt_tokens) // self.block_size
+        if child.params.prompt_logprobs is not None:
+            num_shared = 0
+        return self._place(child, parent.block_table[:num_shared], max_new_tokens, lookup=False)
+
+    def _place(self, seq: Sequence, hits: list[int], max_new_tokens: int, lookup: bool) -> bool:
         assert not seq.block_table, "sequence already holds blocks"
-        hits = self.match_prefix(seq)
         # A fully cached prompt still needs its last token computed to get logits.
         num_computed = min(len(hits) * self.block_size, seq.num_tokens - 1)
         num_new = min(seq.num_tokens - num_computed, max_new_tokens)
@@ -112,9 +126,9 @@ class BlockManager:
             block.ref_count += 1
             seq.block_table.append(block_id)
         seq.num_shared_kv_tokens = len(hits) * self.block_size
-        seq.num_hashed_blocks = len(hits)
+        seq.num_hashed_blocks = len(hits) if lookup else 0
         seq.num_computed_tokens = num_computed
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and lookup:
             self.stats.lookups += 1
             self.stats.queried_tokens += seq.num_tokens
             self.stats.hit_tokens += num_computed

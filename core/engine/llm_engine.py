@@ -1,16 +1,18 @@
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from nanovllm.config import EngineConfig
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.info import EngineInfo, engine_info, engine_report
+from nanovllm.engine.logprob_records import Logprob, output_logprobs
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.stats import EngineStats
@@ -24,6 +26,19 @@ from nanovllm.tokenization import Prompt, PromptTokenizer
 
 if TYPE_CHECKING:
     from nanovllm.structured import GrammarCompileCache
+
+
+@dataclass
+class CompletionOutput:
+    """One completion of a prompt (vLLM's shape); a request with `n` > 1 has n of them."""
+
+    index: int
+    text: str | None
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None
+    stop_reason: int | str | None
 
 
 @dataclass
@@ -44,6 +59,23 @@ class RequestOutput:
     arrival_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+    # Only for a request that asked (SamplingParams.logprobs / prompt_logprobs), in vLLM's shape: per token a
+    # {token id: Logprob} of the top k and the chosen token; prompt_logprobs[0] is None.
+    logprobs: list[dict[int, Logprob]] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    cumulative_logprob: float | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it; None for EOS or length
+    # Every completion (n of them; best first when best_of chose them). The fields above are outputs[0]'s.
+    outputs: list[CompletionOutput] = field(default_factory=list)
+
+
+@dataclass
+class _Group:
+    """The sequences of one request with n / best_of > 1, and those finished so far."""
+
+    params: SamplingParams
+    seqs: list[Sequence]
+    finished: list[Sequence]
 
 
 class LLM:
@@ -67,6 +99,7 @@ class LLM:
         except BaseException:
             self.exit()
             raise
+        self._runner.controls.eos_token_ids = sorted(self._eos_token_ids())  # min_tokens bans them
         self._block_manager = BlockManager(self._runner.num_kv_blocks, self.config.block_size,
                                            self.config.enable_prefix_caching)
         self._scheduler = Scheduler(self._block_manager, self.config.max_num_seqs,
@@ -77,6 +110,7 @@ class LLM:
                               self._new_stats(), self.config.async_scheduling)
         self._seed_rng = random.Random(self.config.seed)
         self._seq_ids = itertools.count()
+        self._groups: dict[str, _Group] = {}  # request id -> its completions, for n / best_of > 1
 
     def _max_model_len(self) -> int:
         limit = self.hf_config.max_position_embeddings
@@ -114,16 +148,33 @@ class LLM:
         token_ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
         if not token_ids:
             raise ValueError("the prompt is empty")
+        vocab_size = self._runner.vocab_size
+        for name in ("stop_token_ids", "logit_bias", "allowed_token_ids"):
+            if any(t >= vocab_size for t in getattr(params, name) or ()):
+                raise ValueError(f"SamplingParams.{name}: token ids must be below the vocabulary size {vocab_size}")
         seq_id = next(self._seq_ids)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        count = params.best_of or params.n
+        user_params = params
+        if count > params.n and params.logprobs is None:  # best_of ranks by cumulative logprob
+            params = dataclasses.replace(params, logprobs=0)
         seq = Sequence(seq_id, str(seq_id) if request_id is None else request_id, token_ids, params, seed,
                        prompt if isinstance(prompt, str) else None)
         error = self._scheduler.capacity_error(seq)
         if error:
             raise ValueError(error)
-        if params.structured_outputs is not None:  # compiles in the background; admission waits for it
-            seq.grammar_future = self.grammar_compile_cache().request(params.structured_outputs)
-        self._scheduler.add(seq)
+        seqs = [seq]
+        for index in range(1, count):  # siblings share the prompt's blocks once it is computed (BlockManager.fork)
+            child = Sequence(next(self._seq_ids), seq.request_id, token_ids, params, (seed + index) % 2**63,
+                             seq.prompt)
+            child.parent, child.completion_index = seq, index
+            seqs.append(child)
+        if count > 1:
+            self._groups[seq.request_id] = _Group(user_params, seqs, [])
+        for s in seqs:
+            if params.structured_outputs is not None:  # compiles in the background; admission waits for it
+                s.grammar_future = self.grammar_compile_cache().request(params.structured_outputs)
+            self._scheduler.add(s)
         return seq.request_id
 
     def grammar_compile_cache(self) -> GrammarCompileCache:
@@ -144,7 +195,16 @@ class LLM:
         started = time.perf_counter()
         finished = self._loop.step()
         detokenize_started = time.perf_counter()
-        outputs = [self._output(seq) for seq in finished]
+        outputs = []
+        for seq in finished:
+            group = self._groups.get(seq.request_id)
+            if group is None:
+                outputs.append(self._output(seq))
+                continue
+            group.finished.append(seq)
+            if len(group.finished) == len(group.seqs):
+                del self._groups[seq.request_id]
+                outputs.append(self._group_output(group))
         ended = time.perf_counter()
         self.stats.detokenize_s += ended - detokenize_started
         self.stats.record_interval(started, ended)
@@ -192,7 +252,13 @@ class LLM:
                                    seq.first_token_time, seq.finish_time)
         text = seq.stop_text
         if text is None and self.tokenizer is not None:
-            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
+        logprobs = prompt_logprobs = None
+        if seq.output_logprobs is not None or seq.prompt_logprob_entries is not None:
+            decode = (lambda token_id: self.tokenizer.decode([token_id])) if self.tokenizer is not None else None
+            logprobs, prompt_logprobs = output_logprobs(seq, decode)
+        completion = CompletionOutput(seq.completion_index, text, seq.output_token_ids, seq.cumulative_logprob,
+                                      logprobs, seq.finish_reason, seq.stop_reason)
         return RequestOutput(
             request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens],
             text=text, token_ids=seq.output_token_ids, finish_reason=seq.finish_reason,
@@ -200,7 +266,27 @@ class LLM:
             error=seq.error, invalid_request=seq.invalid_request, arrival_time=seq.arrival_time,
             first_token_time=seq.first_token_time, finish_time=seq.finish_time,
             structured_complete=None if seq.grammar_future is None else (
-                seq.grammar is not None and seq.grammar.is_completed()))
+                seq.grammar is not None and seq.grammar.is_completed()),
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, cumulative_logprob=seq.cumulative_logprob,
+            stop_reason=seq.stop_reason, outputs=[completion])
+
+    def _group_output(self, group: _Group) -> RequestOutput:
+        """One output for the n completions of a request: in index order, or the n of highest cumulative
+        logprob, best first, under best_of."""
+        seqs = sorted(group.finished, key=lambda s: s.completion_index)
+        if len(seqs) > group.params.n:
+            seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[:group.params.n]
+        outputs = [self._output(seq) for seq in seqs]
+        completions = [o.outputs[0] for o in outputs]
+        for index, c in enumerate(completions):
+            c.index = index
+        if group.params.logprobs is None:  # asked only to rank best_of
+            for c in completions:
+                c.logprobs = c.cumulative_logprob = None
+        first = outputs[0]
+        return dataclasses.replace(first, text=completions[0].text, token_ids=completions[0].token_ids,
+                                   logprobs=completions[0].logprobs,
+                                   cumulative_logprob=completions[0].cumulative_logprob, outputs=completions)
 
     # ---- batch API -----------------------------------------------------------------------------------------------
 

@@ -7,8 +7,10 @@ import numpy as np
 
 from nanovllm.batch import ScheduledBatch
 from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.logprob_records import record_step_logprobs
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.engine.stop_strings import StopStringDetector
+from nanovllm.runner.logprob_step import StepLogprobs
 
 
 @dataclass
@@ -216,7 +218,13 @@ class Scheduler:
                 if not self._start_grammar(seq):
                     self.waiting.popleft()
                     continue
-            if not self.block_manager.admit(seq, budget):
+            parent = seq.parent
+            if parent is not None and parent.status is SequenceStatus.RUNNING:
+                if parent.num_computed_tokens < parent.num_prompt_tokens:
+                    break  # a sibling completion waits for the shared prompt's prefill
+                if not self.block_manager.fork(parent, seq, budget):
+                    break
+            elif not self.block_manager.admit(seq, budget):
                 break
             self.waiting.popleft()
             self._running_version += 1
@@ -288,9 +296,12 @@ class Scheduler:
         self._released.append(seq.seq_id)
         self.waiting.appendleft(seq)
 
-    def postprocess(self, batch: ScheduledBatch, sampled_token_ids: list[int]) -> None:
+    def postprocess(self, batch: ScheduledBatch, sampled_token_ids: list[int],
+                    logprobs: StepLogprobs | None = None) -> None:
         """Commit one step (steps are committed in the order they were scheduled) and finish the sequences that
-        a stop rule ends; `take_finished` hands them out."""
+        a stop rule ends; `take_finished` hands them out. `logprobs`: the step's, when some row asked."""
+        if logprobs is not None:
+            record_step_logprobs(batch, sampled_token_ids, logprobs)
         finished, commit = SequenceStatus.FINISHED, self.block_manager.commit_computed_blocks
         for seq, num_new, samples, epoch, token_id in zip(batch.seqs, batch.num_new_tokens, batch.samples,
                                                            batch.epochs, sampled_token_ids):
@@ -311,14 +322,21 @@ class Scheduler:
                     self._finish(seq, reason)
 
     def _stop_reason(self, seq: Sequence, token_id: int) -> str | None:
-        """Every stop rule, in vLLM's order: EOS and stop tokens, stop strings, then the length limit."""
+        """Every stop rule, in vLLM's order: EOS and stop tokens, stop strings (neither before `min_tokens`
+        outputs), then the length limit. Sets `stop_reason` to the stop token id or stop string."""
         params = seq.params
-        if (not params.ignore_eos and token_id in self.eos_token_ids) or token_id in params.stop_token_ids:
-            return "stop"
-        if params.stop and self.stop_strings is not None:
-            seq.stop_text = self.stop_strings.check(seq)
-            if seq.stop_text is not None:
+        if seq.num_output_tokens >= params.min_tokens:
+            if token_id in params.stop_token_ids:
+                seq.stop_reason = token_id
                 return "stop"
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                return "stop"
+            if params.stop and self.stop_strings is not None:
+                found = self.stop_strings.check(seq)
+                if found is not None:
+                    text, seq.stop_reason = found
+                    seq.stop_text = text + seq.stop_reason if params.include_stop_str_in_output else text
+                    return "stop"
         if seq.num_tokens >= seq.max_len:
             return "length"
         return None

@@ -35,7 +35,8 @@ class Sequence:
                  "sampling_seed", "status", "block_table", "num_computed_tokens", "num_shared_kv_tokens",
                  "num_hashed_blocks", "num_inflight_tokens", "num_pending_tokens", "epoch",
                  "num_prefix_hit_tokens", "num_preemptions", "finish_reason", "error", "invalid_request", "stop_text",
-                 "arrival_time", "first_token_time", "finish_time", "grammar_future", "grammar")
+                 "arrival_time", "first_token_time", "finish_time", "grammar_future", "grammar", "output_logprobs",
+                 "prompt_logprob_entries", "cumulative_logprob", "stop_reason", "parent", "completion_index")
 
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  sampling_seed: int, prompt: str | None = None):
@@ -61,6 +62,9 @@ class Sequence:
         self.error: str | None = None
         self.invalid_request = False  # the error is the request's own (a constraint that does not compile)
         self.stop_text: str | None = None  # the output text up to the stop string that ended it
+        self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it (not EOS)
+        self.parent: Sequence | None = None  # a sibling completion (n / best_of) whose prompt blocks it shares
+        self.completion_index = 0
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
@@ -68,6 +72,11 @@ class Sequence:
         # which only the scheduler advances (postprocess); the runner reads it through the batch to fill masks.
         self.grammar_future: CompileFuture | None = None
         self.grammar: RowGrammar | None = None
+        # Logprob entries (engine/logprob_records.py), only for a request that asked for them.
+        self.output_logprobs: list | None = [] if params.logprobs is not None else None
+        self.prompt_logprob_entries: list | None = (
+            [None] * self.num_prompt_tokens if params.prompt_logprobs is not None else None)
+        self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
 
     def __len__(self) -> int:
         return len(self.token_ids)

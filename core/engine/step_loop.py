@@ -87,7 +87,7 @@ class StepLoop:
         t0 = time.perf_counter()
         tokens, device_s = self.runner.wait(step.handle)
         t1 = time.perf_counter()
-        self.scheduler.postprocess(step.batch, tokens)
+        self.scheduler.postprocess(step.batch, tokens, step.handle.logprobs)
         finished = self.scheduler.take_finished()
         t2 = time.perf_counter()
         batch = step.batch

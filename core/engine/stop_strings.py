@@ -15,17 +15,19 @@ class StopStringDetector:
         self.tokenizer = tokenizer
         self.state: dict[int, tuple[str, int, int]] = {}  # seq_id -> (text so far, prefix offset, read offset)
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+    def _decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def check(self, seq: Sequence) -> str | None:
-        """Advance `seq`'s text by its newest tokens; when a stop string appeared, the text before it."""
+    def check(self, seq: Sequence) -> tuple[str, str] | None:
+        """Advance `seq`'s text by its newest tokens; when a stop string appeared, (the text before it, the stop
+        string)."""
         text, prefix, read = self.state.get(
             seq.seq_id, ("", max(seq.num_prompt_tokens - self.CONTEXT_TOKENS, 0), seq.num_prompt_tokens))
         ids = seq.token_ids
-        stop_at = None
-        before = self._decode(ids[prefix:read])
-        after = self._decode(ids[prefix:])
+        stop_at = stop_found = None
+        skip = seq.params.skip_special_tokens
+        before = self._decode(ids[prefix:read], skip)
+        after = self._decode(ids[prefix:], skip)
         if len(after) > len(before) and not after.endswith("\ufffd"):
             new_text = after[len(before):]
             searched_from = len(text)
@@ -34,9 +36,9 @@ class StopStringDetector:
             for stop in seq.params.stop:
                 index = text.find(stop, max(searched_from - len(stop) + 1, 0))
                 if index >= 0 and (stop_at is None or index < stop_at):
-                    stop_at = index
+                    stop_at, stop_found = index, stop
         self.state[seq.seq_id] = (text, prefix, read)
-        return None if stop_at is None else text[:stop_at]
+        return None if stop_at is None else (text[:stop_at], stop_found)
 
     def forget(self, seq: Sequence) -> None:
         self.state.pop(seq.seq_id, None)

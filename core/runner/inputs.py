@@ -6,7 +6,9 @@ from typing import Any
 
 import torch
 
+from nanovllm.layers.logprobs import TokenLogprobs
 from nanovllm.layers.sampler import SamplingTensors
+from nanovllm.runner.logprob_step import StepLogprobs
 from nanovllm.runner.step_buffers import ROWS, ROWS_PLUS_ONE, SEQS, TOKENS, UPDATES, buffer
 
 
@@ -24,6 +26,21 @@ class StepInputs:
     rows: torch.Tensor = buffer(torch.int64, ROWS, graph=True)  # each sequence's row of the block tables
     logits_indices: torch.Tensor = buffer(torch.int64, SEQS)  # the last new token of each sequence
     sampling: SamplingTensors
+    logprob_rows: torch.Tensor = buffer(torch.int64, SEQS)  # batch indices of the sampled rows asking logprobs
+    num_logprob_rows: int  # 0: no row asks, the logprob op is skipped
+    num_top_logprobs: int  # the largest k those rows ask
+    # int64 [2, n]: the step's token indices whose logits score a prompt token (prompt_logprobs), and that token;
+    # None when no row asks. A small upload of its own, only in the steps that carry some.
+    prompt_logprob_targets: torch.Tensor | None
+    num_top_prompt_logprobs: int
+    # Penalties (runner/logit_controls.py): the sampled rows holding a token-history slot, their slots and values.
+    penalty_rows: torch.Tensor = buffer(torch.int64, SEQS)
+    penalty_slots: torch.Tensor = buffer(torch.int64, SEQS)
+    repetition_penalties: torch.Tensor = buffer(torch.float32, SEQS)
+    presence_penalties: torch.Tensor = buffer(torch.float32, SEQS)
+    frequency_penalties: torch.Tensor = buffer(torch.float32, SEQS)
+    num_penalty_rows: int
+    logit_controls: bool  # some row of the step has penalties or logit controls (False: none of them runs)
     # [2, n] table entries new to the device (flat indices, then block ids), applied first. Last in the layout:
     # it is uploaded only as far as a step uses it.
     table_updates: torch.Tensor = buffer(torch.int32, UPDATES, graph=True)
@@ -36,21 +53,25 @@ class StepInputs:
 @dataclass
 class StepHandle:
     """A launched step: sampled ids on the device, their pinned host copy, timing events, the copy's event, and
-    the number of the step-buffer upload the step read."""
+    the number of the step-buffer upload the step read; `logprobs` when some row asked (copied to the host
+    behind the same event)."""
 
     sampled: torch.Tensor
     host: torch.Tensor | None
     timing: tuple[torch.cuda.Event, torch.cuda.Event] | None
     ready: torch.cuda.Event | None
     upload: int
+    logprobs: StepLogprobs | None = None
 
 
 @dataclass
 class LaunchedForward:
     """A step whose forward is launched and whose sampling is not: its inputs, its logits (None on a
-    tensor-parallel worker), its output slot (None on the CPU; Any: the runner's private type) and upload number."""
+    tensor-parallel worker), its output slot (None on the CPU; Any: the runner's private type), upload number,
+    and the prompt logprobs of rows that asked (computed with the forward)."""
 
     inputs: StepInputs
     logits: torch.Tensor | None
     slot: Any
     upload: int
+    prompt_logprobs: TokenLogprobs | None = None

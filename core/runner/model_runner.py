@@ -12,12 +12,15 @@ from nanovllm.attention import AttentionMetadata, select_backend
 from nanovllm.batch import ScheduledBatch
 from nanovllm.config import EngineConfig
 from nanovllm.distributed import min_over_ranks
+from nanovllm.layers.logprobs import TokenLogprobs, compute_logprobs
 from nanovllm.layers.sampler import SamplingTensors, sample
 from nanovllm.loaders import ResolvedModel, load_dummy_weights, load_safetensors_weights
 from nanovllm.models.llama import head_dim_of, kv_block_bytes, kv_heads_per_rank
 from nanovllm.models.registry import model_class_for
 from nanovllm.runner.cuda_graphs import DecodeGraphs
 from nanovllm.runner.inputs import LaunchedForward, StepHandle, StepInputs
+from nanovllm.runner.logit_controls import LogitControls
+from nanovllm.runner.logprob_step import LogprobPlan, StepLogprobs, copy_to_host, plan_logprobs
 from nanovllm.runner.step_buffers import (
     ROWS,
     ROWS_PLUS_ONE,
@@ -37,6 +40,7 @@ if TYPE_CHECKING:
 
 _STEP_FIELDS = {f.name for f in fields(StepInputs)}
 _SAMPLING_FIELDS = {f.name for f in fields(SamplingTensors)}
+_PROMPT_LOGITS_CHUNK = 1024  # prompt positions whose logits exist at once (bounds a long prompt's temporaries)
 
 
 def _slice_views(on_device: dict[str, torch.Tensor], num_tokens: int, padded_seqs: int, num_seqs: int) -> _Views:
@@ -135,6 +139,7 @@ class ModelRunner:
         self.buffers = StepBuffers(self._buffer_fields(), self.device)
         # Rows for twice the running sequences: released ones may still be read by the step in flight.
         self.rows = SequenceRows(2 * self.max_batch_size, self.max_blocks_per_seq, self.vocab_size)
+        self.controls = self.rows.controls = LogitControls(len(self.rows.host_tables), self.vocab_size, self.device)
         self.tables = DeviceBlockTables(len(self.rows.host_tables), self.max_blocks_per_seq, self.device)
         # Memoised slicing of the device views (a torch call per tensor, and a step of a given size recurs). The
         # caches hold the views, not the runner, so that dropping the engine frees it without a garbage collection.
@@ -146,6 +151,7 @@ class ModelRunner:
         self._rows_of: tuple[list, np.ndarray] = ([], np.zeros(0, dtype=np.int64))  # a batch's seqs, their rows
         self._arange = np.arange(self.max_batch_size + 1)
         self._last = _LastStep(np.zeros(0, dtype=np.int64), np.full(len(self.rows.host_tables), -1, dtype=np.int64))
+        self._logprob_plan: LogprobPlan | None = None  # the prepared step's, until it is launched
         if self.device.type == "cuda":
             self._output_slots = [
                 _OutputSlot(torch.empty(self.max_batch_size, dtype=torch.int64, pin_memory=True),
@@ -167,6 +173,7 @@ class ModelRunner:
             self.graphs.release()
         self.model = self.kv_cache = self.graphs = self.tables = self.buffers = None
         self._views = self._pending_views = self._table_update_views = self._last = self._bitmask = None
+        self.controls = self.rows.controls = None
         if self.device.type == "cuda":
             gc.collect()  # whatever a CUDA graph or a kernel cache still ties into a cycle, before the cache is emptied
             torch.cuda.empty_cache()
@@ -255,7 +262,10 @@ class ModelRunner:
         update_indices, update_blocks = self.rows.sync(batch.table_changed)
         num_updates = len(update_blocks)
         rows = self._rows_for(batch.seqs)
+        plan = self._logprob_plan = plan_logprobs(self.rows, batch, rows)
         graph_size = self.graphs.batch_size_for(num_seqs) if self.graphs and pure_decode else None
+        if plan is not None and plan.prompt_targets is not None:
+            graph_size = None  # prompt positions' logits come from the hidden states an eager step keeps
         if graph_size is not None and num_updates > graph_size:
             graph_size = None  # a graph applies one table entry per row; a readmitted sequence may bring more
         num_staged = self._stage_table_updates(host, update_indices, update_blocks, graph_size)
@@ -265,6 +275,12 @@ class ModelRunner:
                     and (rows is self._last.rows or np.array_equal(rows, self._last.rows)))
         ends = self._fill_token_inputs(host, batch, rows, padded_seqs, copy_all)
         all_greedy, any_filter = self._fill_sampling(host, rows, ends)
+        if plan is not None:
+            host["logprob_rows"][:len(plan.sampled_indices)] = plan.sampled_indices
+        controls_on = self.controls.num_rows > 0
+        num_penalty_rows = self.controls.stage(host, rows, batch.samples) if controls_on else 0
+        if controls_on and all_greedy:  # min_tokens reads each row's output length
+            np.subtract(ends, self.rows.num_prompt_tokens[rows], out=host["sample_positions"][:num_seqs])
         num_gathered = 0 if copy_all else self._stage_pending(host, batch, rows)
         self._remember_rows(rows)
         self.buffers.upload(2 * num_staged)
@@ -276,9 +292,16 @@ class ModelRunner:
             tokens, sources = self._pending_views(num_gathered)
             views.step["input_ids"].index_put_((tokens,), self._last.sampled.index_select(0, sources))
         max_seq_len = int(ends.max())
+        prompt_targets = None
+        if plan is not None and plan.prompt_targets is not None:
+            prompt_targets = torch.from_numpy(plan.prompt_targets).to(self.device, non_blocking=True)
         return StepInputs(
             **views.step, table_updates=self._table_update_views(num_staged),
             sampling=SamplingTensors(**views.sampling, all_greedy=all_greedy, any_filter=any_filter),
+            num_logprob_rows=len(plan.sampled_indices) if plan else 0,
+            num_top_logprobs=plan.num_top if plan else 0, prompt_logprob_targets=prompt_targets,
+            num_top_prompt_logprobs=plan.num_top_prompt if plan else 0, num_penalty_rows=num_penalty_rows,
+            logit_controls=controls_on,
             max_query_len=1 if pure_decode else max(batch.num_new_tokens), max_seq_len=max_seq_len,
             decode_num_splits=self.backend.decode_num_splits(num_seqs, max_seq_len, self.num_kv_heads),
             graph_size=graph_size)
@@ -383,10 +406,14 @@ class ModelRunner:
         views = self._views(size, size, size)
         return StepInputs(
             **views.step, table_updates=self._table_update_views(size),
-            sampling=SamplingTensors(**views.sampling, all_greedy=True, any_filter=False), max_query_len=1,
+            sampling=SamplingTensors(**views.sampling, all_greedy=True, any_filter=False), num_logprob_rows=0,
+            num_top_logprobs=0, prompt_logprob_targets=None, num_top_prompt_logprobs=0, num_penalty_rows=0,
+            logit_controls=False, max_query_len=1,
             max_seq_len=self.max_model_len,
             decode_num_splits=self.backend.decode_num_splits(size, self.max_model_len, self.num_kv_heads),
             graph_size=size)
+
+    @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> StepHandle:
         """Launch forward + sampling and return at once (on the CPU the work is done by the time it returns).
 
@@ -395,8 +422,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch_forward(self, inputs: StepInputs) -> LaunchedForward:
-        """The first half of `execute`: launch the forward, up to the logits. A step with structured-output rows
-        is launched in two halves, so that their masks can be filled in between (docs/STRUCTURED_OUTPUTS.md)."""
+        """The first half of `execute`: launch the forward, up to the logits (and the prompt logprobs of rows that
+        asked). A step with structured-output rows is launched in two halves, so that their masks can be filled in
+        between (docs/STRUCTURED_OUTPUTS.md)."""
         upload = self.buffers.num_uploads  # the step's inputs are the latest upload
         slot = None
         if self.device.type == "cuda":
@@ -404,30 +432,36 @@ class ModelRunner:
             slot = self._output_slots[self._next_slot]
             self._next_slot ^= 1
             slot.timing[0].record(self.buffers.stream)
-        return LaunchedForward(inputs, self._forward(inputs), slot, upload)
+        logits, prompt_logprobs = self._forward(inputs)
+        return LaunchedForward(inputs, logits, slot, upload, prompt_logprobs)
 
     @torch.inference_mode()
     def launch_sample(self, launched: LaunchedForward, step_mask: StepBitmask | None) -> StepHandle:
-        """The second half of `execute`: mask the constrained rows' logits (`fill_masks`), sample, and copy the
-        ids to the host."""
+        """The second half of `execute`: mask the constrained rows' logits (`fill_masks`), apply the logit
+        controls, sample, take the logprobs of the rows that asked, and copy the ids to the host."""
         inputs, logits = launched.inputs, launched.logits
+        plan, self._logprob_plan = self._logprob_plan, None
+        sampled_lp = None
         if logits is None:  # a tensor-parallel worker: the logits were gathered to rank 0, which samples
             sampled = inputs.logits_indices[:0]
         else:
             logits = logits[:len(inputs.logits_indices)]
             if step_mask is not None:
                 step_mask.apply(logits)
-            sampled = sample(logits, inputs.sampling)
+            sampled, sampled_lp = self._sample(logits, inputs)
         self._last.sampled = sampled
         slot = launched.slot
         if slot is None:
-            return StepHandle(sampled, None, None, None, launched.upload)
+            logprobs = StepLogprobs(plan, sampled_lp, launched.prompt_logprobs) if plan else None
+            return StepHandle(sampled, None, None, None, launched.upload, logprobs)
         stream = self.buffers.stream
         slot.timing[1].record(stream)
         host = slot.host[:len(sampled)]
         host.copy_(sampled, non_blocking=True)
+        logprobs = (StepLogprobs(plan, copy_to_host(sampled_lp), copy_to_host(launched.prompt_logprobs))
+                    if plan else None)
         slot.ready.record(stream)
-        return StepHandle(sampled, host, slot.timing, slot.ready, launched.upload)
+        return StepHandle(sampled, host, slot.timing, slot.ready, launched.upload, logprobs)
 
     def fill_masks(self, batch: ScheduledBatch) -> StepBitmask | None:
         """The token masks of the batch's constrained rows from their matchers (read, never advanced), filled on
@@ -439,7 +473,10 @@ class ModelRunner:
             self._bitmask = BatchBitmask(self.max_batch_size, self.vocab_size, self.device)
         return self._bitmask.prepare(batch.grammars, batch.grammar_rows)
 
-    def _forward(self, inputs: StepInputs) -> torch.Tensor | None:
+    def _forward(self, inputs: StepInputs) -> tuple[torch.Tensor | None, TokenLogprobs | None]:
+        """The step's logits (None on a tensor-parallel worker: they were gathered to rank 0), and the prompt
+        logprobs of the rows that asked (every rank computes them: the LM head is collective)."""
+        prompt_lp = None
         if inputs.graph_size is not None:  # the graph applies the table updates and gathers the tables itself
             logits = self.graphs.replay(inputs.graph_size, inputs)
         else:
@@ -452,7 +489,46 @@ class ModelRunner:
                 decode_num_splits=inputs.decode_num_splits)
             hidden = self.model(inputs.input_ids, inputs.positions, meta)
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        return logits
+            if inputs.prompt_logprob_targets is not None:
+                prompt_lp = self._prompt_logprobs(hidden, inputs.prompt_logprob_targets,
+                                                  inputs.num_top_prompt_logprobs)
+        return logits, prompt_lp
+
+    def _sample(self, logits: torch.Tensor, inputs: StepInputs) -> tuple[torch.Tensor, TokenLogprobs | None]:
+        """Logit controls, sampling, and the sampled tokens' logprobs of the rows that asked (of the raw
+        distribution: the logits before the controls; a structured-output mask does apply to them)."""
+        scores, penalty = logits, None
+        if inputs.logit_controls:
+            count = inputs.num_penalty_rows
+            if count:
+                penalty = (inputs.penalty_rows[:count], inputs.penalty_slots[:count],
+                           inputs.repetition_penalties[:count], inputs.presence_penalties[:count],
+                           inputs.frequency_penalties[:count])
+            scores = self.controls.apply(logits, inputs.rows[:len(logits)], inputs.sampling.sample_positions,
+                                         penalty)
+        sampled = sample(scores, inputs.sampling)
+        if penalty is not None:
+            self.controls.record(sampled, penalty[0], penalty[1])
+        sampled_lp = None
+        if inputs.num_logprob_rows:
+            rows = inputs.logprob_rows[:inputs.num_logprob_rows]
+            sampled_lp = compute_logprobs(logits.index_select(0, rows), sampled.index_select(0, rows),
+                                          inputs.num_top_logprobs)
+        return sampled, sampled_lp
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, num_top: int) -> TokenLogprobs | None:
+        """Logprobs of the prompt tokens `targets` scores ([2, n]: token index in the step, prompt token), from
+        the logits of those positions, computed a chunk at a time (every rank: the LM head is collective)."""
+        parts = []
+        for start in range(0, targets.shape[1], _PROMPT_LOGITS_CHUNK):
+            chunk = targets[:, start:start + _PROMPT_LOGITS_CHUNK]
+            logits = self.model.compute_logits(hidden.index_select(0, chunk[0]))
+            if logits is not None:
+                parts.append(compute_logprobs(logits, chunk[1], num_top))
+        if not parts:
+            return None
+        return TokenLogprobs(*(torch.cat([getattr(part, name) for part in parts])
+                               for name in ("logprobs", "ranks", "top_ids", "top_logprobs")))
 
     def wait(self, handle: StepHandle) -> tuple[list[int], float | None]:
         """The step's sampled ids, and its device time in seconds (None on the CPU)."""

@@ -24,6 +24,7 @@ import torch
 
 if TYPE_CHECKING:
     from nanovllm.engine.sequence import Sequence
+    from nanovllm.runner.logit_controls import LogitControls
 
 _ALIGN = 64
 
@@ -173,6 +174,10 @@ class SequenceRows:
         self.seed = np.zeros(rows, dtype=np.int64)
         self.num_prompt_tokens = np.zeros(rows, dtype=np.int64)
         self.num_shared_kv_tokens = np.zeros(rows, dtype=np.int64)  # KV below this is in shared, complete blocks
+        self.logprobs = np.full(rows, -1, dtype=np.int64)  # top-k asked per sampled token; -1 = none
+        self.prompt_logprobs = np.full(rows, -1, dtype=np.int64)  # top-k asked per prompt token; -1 = none
+        self.num_asking = 0  # assigned rows with either set: a step checks this before looking further
+        self.controls: LogitControls | None = None  # rank 0's penalties and logit controls, kept by row
         self._vocab_size = vocab_size
         self._rows: dict[int, _Row] = {}  # seq_id -> its row's state
         self.row_of: dict[int, int] = {}  # seq_id -> row
@@ -186,6 +191,9 @@ class SequenceRows:
             if entry is not None:
                 del self.row_of[seq_id]
                 self._free.append(entry.index)
+                self._set_logprobs(entry.index, None, None)
+                if self.controls is not None:
+                    self.controls.clear(entry.index)
 
     def sync(self, changed: list[Sequence]) -> tuple[list[int], list[int]]:
         """Bring the rows of `changed` (admitted, or whose table grew) up to date on the host. Returns the table
@@ -225,7 +233,16 @@ class SequenceRows:
         self.seed[row] = seq.sampling_seed
         self.num_prompt_tokens[row] = seq.num_prompt_tokens
         self.num_shared_kv_tokens[row] = seq.num_shared_kv_tokens
+        self._set_logprobs(row, params.logprobs, params.prompt_logprobs)
+        if self.controls is not None:
+            self.controls.fill(row, params, seq.token_ids, seq.num_prompt_tokens)
         return entry
+
+    def _set_logprobs(self, row: int, logprobs: int | None, prompt_logprobs: int | None) -> None:
+        self.num_asking -= bool(self.logprobs[row] >= 0 or self.prompt_logprobs[row] >= 0)
+        self.logprobs[row] = -1 if logprobs is None else logprobs
+        self.prompt_logprobs[row] = -1 if prompt_logprobs is None else prompt_logprobs
+        self.num_asking += logprobs is not None or prompt_logprobs is not None
 
 
 class DeviceBlockTables:

@@ -1,0 +1,184 @@
+"""Rank 0's device state for penalties and logit controls of the running rows, and their per-step application.
+
+The ops are `nanovllm.layers.logits_processors` (vLLM's semantics and order). State lives on the device and
+changes only when a row with controls joins or leaves, never from the host per step:
+
+- Rows with repetition / presence / frequency penalties hold a `TokenHistory` slot: prompt mask and output
+  counts, reset from the host's known tokens when the row is (re)filled, then advanced on the device from each
+  step's samples (`record`), so the async loop's step N + 1 sees step N's token without a host round trip.
+- Sparse controls (logit_bias, allowed_token_ids, min_tokens' stop ids) are entry lists keyed by the persistent
+  row, rebuilt as new tensors when a row with them joins or leaves (a step in flight keeps the old ones) and
+  mapped to a step's batch indices on the device. Entries of rows not in the step go to a sink row.
+
+A step in which no row has controls runs none of this (the runner checks `num_rows`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from nanovllm.layers.logits_processors import (
+    TokenHistory,
+    apply_allowed_tokens,
+    apply_logit_bias,
+    apply_min_tokens,
+    apply_penalties,
+    batch_index_of,
+)
+from nanovllm.sampling_params import SamplingParams
+
+_HISTORY_WINDOW = 1  # the penalties need counts only; the window serves bad words
+
+
+@dataclass
+class _Sparse:
+    """Device entry lists keyed by persistent row (each a tuple of tensors), or None when no row has them."""
+
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # rows, tokens, biases
+    allowed: tuple[torch.Tensor, torch.Tensor] | None  # rows, tokens
+    min_tokens: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # rows, stop ids, min_tokens
+
+
+def has_controls(params: SamplingParams) -> bool:
+    return has_penalties(params) or bool(params.logit_bias or params.allowed_token_ids or params.min_tokens)
+
+
+def has_penalties(params: SamplingParams) -> bool:
+    return params.repetition_penalty != 1 or params.presence_penalty != 0 or params.frequency_penalty != 0
+
+
+class LogitControls:
+    def __init__(self, num_rows: int, vocab_size: int, device: torch.device, initial_slots: int = 8):
+        self.num_rows_total = num_rows
+        self.vocab_size = vocab_size
+        self.device = device
+        self.eos_token_ids: list[int] = []  # set by the engine: min_tokens bans them (unless ignore_eos)
+        self.slot_of_row = np.full(num_rows, -1, dtype=np.int64)
+        self.repetition = np.ones(num_rows, dtype=np.float32)
+        self.presence = np.zeros(num_rows, dtype=np.float32)
+        self.frequency = np.zeros(num_rows, dtype=np.float32)
+        self.has_row = np.zeros(num_rows, dtype=bool)
+        self.num_rows = 0  # rows with any control
+        self._entries: dict[int, SamplingParams] = {}  # rows with sparse controls
+        self._sparse: _Sparse | None = None  # None: rebuild before the next step
+        self._free_slots: list[int] = list(range(initial_slots - 1, -1, -1))
+        self.history = TokenHistory.allocate(initial_slots, vocab_size, _HISTORY_WINDOW, device)
+
+    # ---- rows joining and leaving (host) --------------------------------------------------------------------
+
+    def fill(self, row: int, params: SamplingParams, token_ids: list[int], num_prompt_tokens: int) -> None:
+        """A sequence takes `row` (first admission or readmission): its controls, and its known tokens."""
+        self.clear(row)
+        if not has_controls(params):
+            return
+        self.has_row[row] = True
+        self.num_rows += 1
+        if has_penalties(params):
+            slot = self._take_slot()
+            self.slot_of_row[row] = slot
+            self.repetition[row] = params.repetition_penalty
+            self.presence[row] = params.presence_penalty
+            self.frequency[row] = params.frequency_penalty
+            ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
+            self.history.reset(slot, ids[:num_prompt_tokens], ids[num_prompt_tokens:])
+        if params.logit_bias or params.allowed_token_ids or params.min_tokens:
+            self._entries[row] = params
+            self._sparse = None
+
+    def clear(self, row: int) -> None:
+        """`row` no longer holds a sequence (or is about to be refilled)."""
+        if not self.has_row[row]:
+            return
+        self.has_row[row] = False
+        self.num_rows -= 1
+        slot = int(self.slot_of_row[row])
+        if slot >= 0:
+            self._free_slots.append(slot)
+            self.slot_of_row[row] = -1
+            self.repetition[row], self.presence[row], self.frequency[row] = 1, 0, 0
+        if self._entries.pop(row, None) is not None:
+            self._sparse = None
+
+    def _take_slot(self) -> int:
+        if not self._free_slots:  # double the pool; the copy runs on the stream after every step queued before
+            old = self.history
+            size = old.output_counts.shape[0]
+            self.history = TokenHistory.allocate(2 * size, self.vocab_size, _HISTORY_WINDOW, self.device)
+            for name in ("output_counts", "prompt_mask", "recent", "output_lens"):
+                getattr(self.history, name)[:size].copy_(getattr(old, name))
+            self._free_slots = list(range(2 * size - 1, size - 1, -1))
+        return self._free_slots.pop()
+
+    def _sparse_tensors(self) -> _Sparse:
+        if self._sparse is None:
+            bias, allowed, min_tokens = ([], [], []), ([], []), ([], [], [])
+            for row, params in self._entries.items():
+                for token, value in (params.logit_bias or {}).items():
+                    bias[0].append(row), bias[1].append(int(token)), bias[2].append(float(value))
+                for token in params.allowed_token_ids or []:
+                    allowed[0].append(row), allowed[1].append(token)
+                if params.min_tokens:
+                    stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+                    for token in stops:
+                        min_tokens[0].append(row), min_tokens[1].append(token), min_tokens[2].append(params.min_tokens)
+
+            def device(columns, dtypes):
+                if not columns[0]:
+                    return None
+                return tuple(torch.tensor(c, dtype=d, device=self.device) for c, d in zip(columns, dtypes))
+
+            i64, f32 = torch.int64, torch.float32
+            self._sparse = _Sparse(device(bias, (i64, i64, f32)), device(allowed, (i64, i64)),
+                                   device(min_tokens, (i64, i64, i64)))
+        return self._sparse
+
+    # ---- one step --------------------------------------------------------------------------------------------
+
+    def stage(self, host: dict[str, np.ndarray], rows: np.ndarray, samples: list[bool]) -> int:
+        """Fill the step's penalty inputs: batch indices of the rows that hold a history slot and sample in this
+        step (a chunk short of the prompt's end samples nothing: its logits and its draw do not count), their
+        slots and penalties; returns their number."""
+        slots = self.slot_of_row[rows]
+        holding = slots >= 0
+        if not all(samples):
+            holding &= np.asarray(samples, dtype=bool)
+        at = np.flatnonzero(holding)
+        count = len(at)
+        if count:
+            host["penalty_rows"][:count] = at
+            host["penalty_slots"][:count] = slots[at]
+            host["repetition_penalties"][:count] = self.repetition[rows[at]]
+            host["presence_penalties"][:count] = self.presence[rows[at]]
+            host["frequency_penalties"][:count] = self.frequency[rows[at]]
+        return count
+
+    def apply(self, logits: torch.Tensor, batch_rows: torch.Tensor, output_lens: torch.Tensor,
+              penalty: tuple[torch.Tensor, ...] | None) -> torch.Tensor:
+        """float32 logits [n, vocab] with every control applied (a copy; `logits` is left as it is, for the
+        logprobs of the raw distribution). `batch_rows`: the step's persistent rows [n]; `output_lens` [n]: the
+        index of the output token each row draws; `penalty`: (batch indices, slots, repetition, presence,
+        frequency) of the staged rows, or None."""
+        n, vocab = logits.shape
+        work = torch.empty(n + 1, vocab, dtype=torch.float32, device=logits.device)  # row n: the sink
+        work[:n].copy_(logits)
+        work[n].zero_()
+        sparse = self._sparse_tensors()
+        if sparse.bias or sparse.allowed or sparse.min_tokens:
+            index = batch_index_of(batch_rows, self.num_rows_total)
+            index = torch.where(index < 0, n, index)
+            lens = torch.cat([output_lens, output_lens.new_zeros(1)])
+            if sparse.allowed:
+                apply_allowed_tokens(work, index[sparse.allowed[0]], sparse.allowed[1])
+            if sparse.min_tokens:
+                apply_min_tokens(work, index[sparse.min_tokens[0]], sparse.min_tokens[1], sparse.min_tokens[2], lens)
+            if sparse.bias:
+                apply_logit_bias(work, index[sparse.bias[0]], sparse.bias[1], sparse.bias[2])
+        if penalty is not None:
+            rows, slots, repetition, presence, frequency = penalty
+            apply_penalties(work, rows, slots, self.history, repetition, presence, frequency)
+        return work[:n]
+
+    def record(self, sampled: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """Advance the staged rows' histories by this step's samples, on the device."""
+        self.history.record(slots, sampled.index_select(0, rows))
