@@ -13,12 +13,13 @@ import argparse
 import functools
 import importlib
 import json
-import statistics
 import sys
 import types
 from pathlib import Path
 
 import torch
+
+from nanovllm_cli.roofline import median_cuda_ms
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -46,20 +47,6 @@ MODES = {
 }
 
 SWEEP = [(4096, 8, 1024), (4096, 16, 1024), (8192, 16, 512), (16384, 16, 1024), (2048, 4, 1024), (8192, 32, 1024)]
-
-
-def median_ms(fn, reps: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -104,19 +91,19 @@ def main() -> None:
                 torch_path = functools.partial(sampler.reference_sample, logits, t)
                 fused = functools.partial(kernels.fused_sample, logits, t.temperatures, t.top_k, t.top_p, t.min_p,
                                           t.seeds, t.sample_positions)
-                emit({**base, "path": "torch_full_sort", "ms": median_ms(torch_path, args.reps)})
+                emit({**base, "path": "torch_full_sort", "ms": median_cuda_ms(torch_path, args.reps)})
                 agree = (fused() == torch_path()).float().mean().item()
-                emit({**base, "path": "fused_kernel", "ms": median_ms(fused, args.reps), "agree": agree})
+                emit({**base, "path": "fused_kernel", "ms": median_cuda_ms(fused, args.reps), "agree": agree})
                 for block, num_warps, cap in SWEEP if args.sweep and mode != "greedy" else ():
                     config = {"block": block, "num_warps": num_warps, "cap": cap}
                     emit({**base, **config, "path": "fused_kernel_sweep",
-                          "ms": median_ms(functools.partial(fused, **config), args.reps)})
+                          "ms": median_cuda_ms(functools.partial(fused, **config), args.reps)})
                 if mode == "greedy":  # what sample() runs for an all-greedy batch: a torch argmax
                     emit({**base, "path": "sample_dispatch",
-                          "ms": median_ms(functools.partial(sampler.sample, logits, t), args.reps)})
+                          "ms": median_cuda_ms(functools.partial(sampler.sample, logits, t), args.reps)})
             scored = functools.partial(logprobs.compute_logprobs, logits, logits.argmax(dim=-1), 5)
             emit({"mode": "logprobs", "batch": batch, "vocab": args.vocab, "dtype": "bfloat16",
-                  "path": "logprobs_k5", "ms": median_ms(scored, args.reps)})
+                  "path": "logprobs_k5", "ms": median_cuda_ms(scored, args.reps)})
 
 
 if __name__ == "__main__":

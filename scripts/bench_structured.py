@@ -29,6 +29,7 @@ from transformers import AutoTokenizer
 from nanovllm.kernels.token_bitmask import apply_token_bitmask_torch, apply_token_bitmask_triton, bitmask_width
 from nanovllm.loaders.resolve import resolve_model
 from nanovllm.structured import BatchBitmask, GrammarCompileCache, RowGrammar, StructuredOutputsParams
+from nanovllm_cli.roofline import median_cuda_ms
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -61,20 +62,6 @@ def host_ms(fn, repeats: int) -> dict:
         fn()
         times.append((time.perf_counter() - start) * 1000)
     return summary(times)
-
-
-def device_ms(fn, repeats: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def advance_rows(rows: list[RowGrammar], vocab_size: int, max_advance: int, seed: int = 0) -> list[int]:
@@ -184,9 +171,9 @@ def bench_apply(num_rows: int, constrained: int, vocab_size: int, repeats: int) 
     full[row_indices] = masks
     indices = row_indices.tolist()
     return {
-        "triton_ms": device_ms(lambda: apply_token_bitmask_triton(logits, masks, row_indices), repeats),
-        "torch_ms": device_ms(lambda: apply_token_bitmask_torch(logits, masks, row_indices), repeats),
-        "xgrammar_ms": device_ms(
+        "triton_ms": median_cuda_ms(lambda: apply_token_bitmask_triton(logits, masks, row_indices), repeats),
+        "torch_ms": median_cuda_ms(lambda: apply_token_bitmask_torch(logits, masks, row_indices), repeats),
+        "xgrammar_ms": median_cuda_ms(
             lambda: xgr.apply_token_bitmask_inplace(logits, full, vocab_size=vocab_size, indices=indices), repeats),
         "logits_bytes_per_row": vocab_size * logits.element_size(),
     }
