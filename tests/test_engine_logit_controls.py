@@ -194,3 +194,16 @@ def test_bad_words_need_a_tokenizer_and_a_bounded_length(engines, smollm):
         smollm.add_request("hi", SamplingParams(bad_words=["supercalifragilistic expialidocious " * 3]))
     with pytest.raises(ValueError, match="SamplingParams.bad_words="):
         SamplingParams(bad_words=["  "])
+
+
+def test_penalties_survive_preemption(tiny_model_dirs, tiny_hf):
+    # 10 blocks of 16 tokens for four sequences of up to 80 tokens: preempted rows refill their token history
+    # from the host's tokens on readmission.
+    llm = LLM(str(tiny_model_dirs["qwen3"]), max_model_len=160, num_kv_blocks=10, block_size=16,
+              async_scheduling=True)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, repetition_penalty=1.6,
+                            frequency_penalty=0.4)
+    outputs = llm.generate(PROMPTS, params)
+    assert llm.get_metrics()["num_preemptions"] > 0
+    for prompt, output in zip(PROMPTS, outputs):
+        assert output.token_ids == hf_controlled_greedy(tiny_hf, prompt, params, [])
