@@ -15,8 +15,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from nanovllm import RequestOutput
-from nanovllm.engine.llm_engine import CompletionOutput
+from nanovllm import CompletionOutput, RequestOutput
 from nanovllm_cli.rows import RowError, RowRequest
 
 PLAIN_FIELDS = ("id", "text", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "error")
