@@ -21,6 +21,7 @@ MAX_LOGPROBS = 20  # the most top-k alternatives `logprobs` / `prompt_logprobs` 
 MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's cap)
 MAX_ALLOWED_TOKEN_IDS = 100_000  # entries of allowed_token_ids
 MAX_N = 128  # completions per prompt (n, best_of)
+MAX_BAD_WORDS = 100  # entries of bad_words
 
 
 @dataclass
@@ -45,8 +46,10 @@ class SamplingParams:
     `logit_bias` ({token id: bias in [-100, 100]} added to the logit), `repetition_penalty` (> 0; a token seen in
     the prompt or the output has a positive logit divided by it, a negative one multiplied), then OpenAI's
     `frequency_penalty` and `presence_penalty` (in [-2, 2]; logit -= frequency * count + presence * (count > 0)
-    over output tokens). `include_stop_str_in_output` keeps the stop string in the text;
-    `skip_special_tokens` (default True) drops special tokens from the text.
+    over output tokens). `bad_words` (strings; each tokenized with and without a leading space, as vLLM): the
+    last token of a word is banned when the output ends with the rest of it (applied after allowed_token_ids).
+    `include_stop_str_in_output` keeps the stop string in the text; `skip_special_tokens` (default True) drops
+    special tokens from the text.
 
     `n` completions per prompt share its prefill (see BlockManager.fork); completion i draws with seed + i.
     `best_of` (>= n) generates that many and keeps the n with the highest cumulative logprob.
@@ -70,6 +73,7 @@ class SamplingParams:
     min_tokens: int = 0
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     n: int = 1
@@ -150,6 +154,10 @@ class SamplingParams:
         if self.best_of is not None and (not isinstance(self.best_of, int) or isinstance(self.best_of, bool)
                                          or not self.n <= self.best_of <= MAX_N):
             raise bad("best_of", f"must be None or an integer in [n, {MAX_N}]")
+        if self.bad_words is not None and (
+                not isinstance(self.bad_words, list) or len(self.bad_words) > MAX_BAD_WORDS
+                or not all(isinstance(w, str) and w.strip() for w in self.bad_words)):
+            raise bad("bad_words", f"must be a list of at most {MAX_BAD_WORDS} non-blank strings")
         for name in ("include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be a bool")

@@ -20,8 +20,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from nanovllm import RequestOutput
-from nanovllm.engine.llm_engine import CompletionOutput
+from nanovllm import CompletionOutput, RequestOutput
 from nanovllm_cli.rows import RowError, RowRequest
 
 PLAIN_FIELDS = ("id", "text", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "error",

@@ -19,7 +19,7 @@ from nanovllm_cli.readers import InvalidJson
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "seed",
                    "ignore_eos", "structured_outputs", "n", "best_of", "logprobs", "prompt_logprobs",
                    "repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens", "logit_bias",
-                   "allowed_token_ids", "include_stop_str_in_output", "skip_special_tokens")
+                   "allowed_token_ids", "bad_words", "include_stop_str_in_output", "skip_special_tokens")
 PROMPT_KEYS = {"prompt": "prompt", "messages": "messages", "prompt_token_ids": "token_ids"}
 OPENAI_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 # OpenAI body key -> SamplingParams field; max_completion_tokens comes after max_tokens, so it wins.

@@ -17,7 +17,8 @@ def parse(row):
 def test_plain_rows_take_every_new_field():
     fields = {"n": 2, "best_of": 3, "logprobs": 2, "prompt_logprobs": 1, "repetition_penalty": 1.2,
               "presence_penalty": 0.5, "frequency_penalty": -0.5, "min_tokens": 2, "logit_bias": {"17": 3.5},
-              "allowed_token_ids": [1, 2, 17], "include_stop_str_in_output": True, "skip_special_tokens": False}
+              "allowed_token_ids": [1, 2, 17], "bad_words": ["no"], "include_stop_str_in_output": True,
+              "skip_special_tokens": False}
     for row in ({"id": "a", "prompt": "x", **fields}, {"id": "a", "prompt": "x", "sampling_params": fields}):
         params = parse(row).params
         assert params.logit_bias == {17: 3.5}

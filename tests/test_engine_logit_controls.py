@@ -157,3 +157,53 @@ def test_skip_special_tokens(smollm):
                                                  SamplingParams(**forced, skip_special_tokens=False)])
     assert skipped.token_ids == kept.token_ids == [eos, eos]
     assert skipped.text == "" and kept.text == smollm.tokenizer.eos_token * 2
+
+
+def test_bad_words_match_hf(smollm, smollm_dir):
+    from transformers.generation.logits_process import NoBadWordsLogitsProcessor
+
+    tokenizer = smollm.tokenizer
+    prompt = "The capital of France is"
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    words = smollm.generate([prompt], greedy)[0].text.split()[:2]  # words the greedy output says
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, bad_words=words)
+    for mode in ("sync", "async"):
+        smollm.set_async_scheduling(mode == "async")
+        output = smollm.generate([prompt], params)[0]
+        reference_model = load_hf_model(smollm_dir)
+        bad_ids = [tokenizer.encode(prefix + w, add_special_tokens=False) for w in words for prefix in ("", " ")]
+        processor = NoBadWordsLogitsProcessor(bad_ids, eos_token_id=None)
+        ids = tokenizer(prompt).input_ids
+        expected = []
+        with torch.inference_mode():
+            for _ in range(10):
+                logits = reference_model(input_ids=torch.tensor([ids])).logits[:, -1].float()
+                token = int(processor(torch.tensor([ids]), logits).argmax())
+                expected.append(token)
+                ids.append(token)
+        assert output.token_ids == expected
+        for word_ids in bad_ids:
+            assert not any(output.token_ids[i:i + len(word_ids)] == word_ids for i in range(len(output.token_ids)))
+    smollm.set_async_scheduling(False)
+
+
+def test_bad_words_need_a_tokenizer_and_a_bounded_length(engines, smollm):
+    with pytest.raises(ValueError, match="bad_words needs a model with a tokenizer"):
+        engines["sync"].add_request([1, 2], SamplingParams(bad_words=["x"]))
+    with pytest.raises(ValueError, match="SamplingParams.bad_words"):
+        smollm.add_request("hi", SamplingParams(bad_words=["supercalifragilistic expialidocious " * 3]))
+    with pytest.raises(ValueError, match="SamplingParams.bad_words="):
+        SamplingParams(bad_words=["  "])
+
+
+def test_penalties_survive_preemption(tiny_model_dirs, tiny_hf):
+    # 10 blocks of 16 tokens for four sequences of up to 80 tokens: preempted rows refill their token history
+    # from the host's tokens on readmission.
+    llm = LLM(str(tiny_model_dirs["qwen3"]), max_model_len=160, num_kv_blocks=10, block_size=16,
+              async_scheduling=True)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, repetition_penalty=1.6,
+                            frequency_penalty=0.4)
+    outputs = llm.generate(PROMPTS, params)
+    assert llm.get_metrics()["num_preemptions"] > 0
+    for prompt, output in zip(PROMPTS, outputs):
+        assert output.token_ids == hf_controlled_greedy(tiny_hf, prompt, params, [])

@@ -19,6 +19,7 @@ from nanovllm.engine.stats import EngineStats
 from nanovllm.engine.step_loop import StepLoop
 from nanovllm.engine.stop_strings import StopStringDetector
 from nanovllm.loaders import resolve_model
+from nanovllm.runner.logit_controls import HISTORY_WINDOW
 from nanovllm.runner.model_runner import ModelRunner
 from nanovllm.runner.tp_workers import TPRunner, start_workers
 from nanovllm.sampling_params import SamplingParams
@@ -160,6 +161,8 @@ class LLM:
             params = dataclasses.replace(params, logprobs=0)
         seq = Sequence(seq_id, str(seq_id) if request_id is None else request_id, token_ids, params, seed,
                        prompt if isinstance(prompt, str) else None)
+        if params.bad_words:
+            seq.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
         error = self._scheduler.capacity_error(seq)
         if error:
             raise ValueError(error)
@@ -168,6 +171,7 @@ class LLM:
             child = Sequence(next(self._seq_ids), seq.request_id, token_ids, params, (seed + index) % 2**63,
                              seq.prompt)
             child.parent, child.completion_index = seq, index
+            child.bad_words_token_ids = seq.bad_words_token_ids
             seqs.append(child)
         if count > 1:
             self._groups[seq.request_id] = _Group(user_params, seqs, [])
@@ -186,6 +190,22 @@ class LLM:
             from nanovllm.structured.compile_cache import GrammarCompileCache  # xgrammar: only when used
             self._grammars = GrammarCompileCache(self.tokenizer, self.hf_config.vocab_size)
         return self._grammars
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each word as token ids, alone and after a space (so it is banned at the start of the text and after
+        a word), as vLLM does; the spaced form only when it is a different word of the same length."""
+        if self.tokenizer is None:
+            raise ValueError("SamplingParams.bad_words needs a model with a tokenizer")
+        words_ids = []
+        for word in words:
+            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            for ids in (plain, spaced) if spaced[0] != plain[0] and len(spaced) == len(plain) else (plain,):
+                if len(ids) > HISTORY_WINDOW + 1:
+                    raise ValueError(f"SamplingParams.bad_words: {word!r} is {len(ids)} tokens, more than "
+                                     f"{HISTORY_WINDOW + 1}")
+                words_ids.append(ids)
+        return words_ids
 
     def has_unfinished_requests(self) -> bool:
         return self._loop.has_work()

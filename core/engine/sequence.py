@@ -36,7 +36,8 @@ class Sequence:
                  "num_hashed_blocks", "num_inflight_tokens", "num_pending_tokens", "epoch",
                  "num_prefix_hit_tokens", "num_preemptions", "finish_reason", "error", "invalid_request", "stop_text",
                  "arrival_time", "first_token_time", "finish_time", "grammar_future", "grammar", "output_logprobs",
-                 "prompt_logprob_entries", "cumulative_logprob", "stop_reason", "parent", "completion_index")
+                 "prompt_logprob_entries", "cumulative_logprob", "stop_reason", "parent", "completion_index",
+                 "bad_words_token_ids")
 
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  sampling_seed: int, prompt: str | None = None):
@@ -65,6 +66,7 @@ class Sequence:
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it (not EOS)
         self.parent: Sequence | None = None  # a sibling completion (n / best_of) whose prompt blocks it shares
         self.completion_index = 0
+        self.bad_words_token_ids: list[list[int]] = []  # params.bad_words tokenized (LLM.add_request)
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None

@@ -21,14 +21,16 @@ import torch
 from nanovllm.layers.logits_processors import (
     TokenHistory,
     apply_allowed_tokens,
+    apply_bad_words,
     apply_logit_bias,
     apply_min_tokens,
     apply_penalties,
     batch_index_of,
+    pack_bad_words,
 )
 from nanovllm.sampling_params import SamplingParams
 
-_HISTORY_WINDOW = 1  # the penalties need counts only; the window serves bad words
+HISTORY_WINDOW = 8  # output tokens a bad word's prefix is matched against: words of up to 9 tokens
 
 
 @dataclass
@@ -38,10 +40,12 @@ class _Sparse:
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # rows, tokens, biases
     allowed: tuple[torch.Tensor, torch.Tensor] | None  # rows, tokens
     min_tokens: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # rows, stop ids, min_tokens
+    bad_words: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None  # rows, slots, prefixes, last
 
 
 def has_controls(params: SamplingParams) -> bool:
-    return has_penalties(params) or bool(params.logit_bias or params.allowed_token_ids or params.min_tokens)
+    return has_penalties(params) or bool(params.logit_bias or params.allowed_token_ids or params.min_tokens
+                                         or params.bad_words)
 
 
 def has_penalties(params: SamplingParams) -> bool:
@@ -60,21 +64,24 @@ class LogitControls:
         self.frequency = np.zeros(num_rows, dtype=np.float32)
         self.has_row = np.zeros(num_rows, dtype=bool)
         self.num_rows = 0  # rows with any control
-        self._entries: dict[int, SamplingParams] = {}  # rows with sparse controls
+        self._entries: dict[int, tuple[SamplingParams, list[list[int]]]] = {}  # rows with sparse controls
         self._sparse: _Sparse | None = None  # None: rebuild before the next step
         self._free_slots: list[int] = list(range(initial_slots - 1, -1, -1))
-        self.history = TokenHistory.allocate(initial_slots, vocab_size, _HISTORY_WINDOW, device)
+        self.history = TokenHistory.allocate(initial_slots, vocab_size, HISTORY_WINDOW, device)
 
     # ---- rows joining and leaving (host) --------------------------------------------------------------------
 
-    def fill(self, row: int, params: SamplingParams, token_ids: list[int], num_prompt_tokens: int) -> None:
-        """A sequence takes `row` (first admission or readmission): its controls, and its known tokens."""
+    def fill(self, row: int, params: SamplingParams, token_ids: list[int], num_prompt_tokens: int,
+             bad_words: list[list[int]]) -> None:
+        """A sequence takes `row` (first admission or readmission): its controls, its known tokens and its bad
+        words as token ids. A row with penalties or bad words holds a history slot (neutral penalties for the
+        latter: the slot serves the prefix match)."""
         self.clear(row)
         if not has_controls(params):
             return
         self.has_row[row] = True
         self.num_rows += 1
-        if has_penalties(params):
+        if has_penalties(params) or bad_words:
             slot = self._take_slot()
             self.slot_of_row[row] = slot
             self.repetition[row] = params.repetition_penalty
@@ -82,8 +89,8 @@ class LogitControls:
             self.frequency[row] = params.frequency_penalty
             ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
             self.history.reset(slot, ids[:num_prompt_tokens], ids[num_prompt_tokens:])
-        if params.logit_bias or params.allowed_token_ids or params.min_tokens:
-            self._entries[row] = params
+        if params.logit_bias or params.allowed_token_ids or params.min_tokens or bad_words:
+            self._entries[row] = (params, bad_words)
             self._sparse = None
 
     def clear(self, row: int) -> None:
@@ -104,7 +111,7 @@ class LogitControls:
         if not self._free_slots:  # double the pool; the copy runs on the stream after every step queued before
             old = self.history
             size = old.output_counts.shape[0]
-            self.history = TokenHistory.allocate(2 * size, self.vocab_size, _HISTORY_WINDOW, self.device)
+            self.history = TokenHistory.allocate(2 * size, self.vocab_size, HISTORY_WINDOW, self.device)
             for name in ("output_counts", "prompt_mask", "recent", "output_lens"):
                 getattr(self.history, name)[:size].copy_(getattr(old, name))
             self._free_slots = list(range(2 * size - 1, size - 1, -1))
@@ -113,7 +120,13 @@ class LogitControls:
     def _sparse_tensors(self) -> _Sparse:
         if self._sparse is None:
             bias, allowed, min_tokens = ([], [], []), ([], []), ([], [], [])
-            for row, params in self._entries.items():
+            bad_rows, bad_prefixes, bad_last = [], [], []
+            for row, (params, bad_words) in self._entries.items():
+                if bad_words:
+                    prefixes, last = pack_bad_words(bad_words, HISTORY_WINDOW)
+                    bad_rows += [row] * len(bad_words)
+                    bad_prefixes.append(prefixes)
+                    bad_last.append(last)
                 for token, value in (params.logit_bias or {}).items():
                     bias[0].append(row), bias[1].append(int(token)), bias[2].append(float(value))
                 for token in params.allowed_token_ids or []:
@@ -129,8 +142,13 @@ class LogitControls:
                 return tuple(torch.tensor(c, dtype=d, device=self.device) for c, d in zip(columns, dtypes))
 
             i64, f32 = torch.int64, torch.float32
+            bad = None
+            if bad_rows:
+                rows = torch.tensor(bad_rows, dtype=i64)
+                bad = tuple(t.to(self.device) for t in (rows, torch.from_numpy(self.slot_of_row[bad_rows]),
+                                                         torch.cat(bad_prefixes), torch.cat(bad_last)))
             self._sparse = _Sparse(device(bias, (i64, i64, f32)), device(allowed, (i64, i64)),
-                                   device(min_tokens, (i64, i64, i64)))
+                                   device(min_tokens, (i64, i64, i64)), bad)
         return self._sparse
 
     # ---- one step --------------------------------------------------------------------------------------------
@@ -164,12 +182,15 @@ class LogitControls:
         work[:n].copy_(logits)
         work[n].zero_()
         sparse = self._sparse_tensors()
-        if sparse.bias or sparse.allowed or sparse.min_tokens:
+        if sparse.bias or sparse.allowed or sparse.min_tokens or sparse.bad_words:
             index = batch_index_of(batch_rows, self.num_rows_total)
             index = torch.where(index < 0, n, index)
             lens = torch.cat([output_lens, output_lens.new_zeros(1)])
             if sparse.allowed:
                 apply_allowed_tokens(work, index[sparse.allowed[0]], sparse.allowed[1])
+            if sparse.bad_words:
+                rows, slots, prefixes, last = sparse.bad_words
+                apply_bad_words(work, index[rows], slots, prefixes, last, self.history)
             if sparse.min_tokens:
                 apply_min_tokens(work, index[sparse.min_tokens[0]], sparse.min_tokens[1], sparse.min_tokens[2], lens)
             if sparse.bias:

@@ -235,7 +235,7 @@ class SequenceRows:
         self.num_shared_kv_tokens[row] = seq.num_shared_kv_tokens
         self._set_logprobs(row, params.logprobs, params.prompt_logprobs)
         if self.controls is not None:
-            self.controls.fill(row, params, seq.token_ids, seq.num_prompt_tokens)
+            self.controls.fill(row, params, seq.token_ids, seq.num_prompt_tokens, seq.bad_words_token_ids)
         return entry
 
     def _set_logprobs(self, row: int, logprobs: int | None, prompt_logprobs: int | None) -> None:
