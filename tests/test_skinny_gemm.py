@@ -68,7 +68,7 @@ def test_linear_layers_route_decode_batches_through_the_kernel(preset, monkeypat
     from transformers import AutoConfig
 
     import nanovllm.kernels.skinny_gemm as skinny_module
-    from nanovllm.models.llama import LlamaAttention, LlamaMLP
+    from nanovllm.models.llama import LlamaAttention, LlamaMLP, llama_spec
 
     calls, original = [], skinny_module.skinny_linear
 
@@ -79,8 +79,9 @@ def test_linear_layers_route_decode_batches_through_the_kernel(preset, monkeypat
     monkeypatch.setattr(skinny_module, "skinny_linear", counting)
     config = AutoConfig.for_model(**json.loads((PRESETS / f"{preset}.json").read_text()))
     dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float16
+    spec = llama_spec(config)
     with torch.device(DEVICE):
-        attention, mlp = LlamaAttention(config, fused=True), LlamaMLP(config, fused=True)
+        attention, mlp = LlamaAttention(config, spec, 0, fused=True), LlamaMLP(config, spec, fused=True)
     attention, mlp = attention.to(dtype), mlp.to(dtype)
     for seed, param in enumerate([*attention.parameters(), *mlp.parameters()]):
         param.data = randn(*param.shape, dtype=dtype, seed=seed) * 0.1
