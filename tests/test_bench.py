@@ -99,9 +99,13 @@ def test_sampling_options_reach_the_requests():
     assert report["workload"]["sampling"] == {"temperature": 0.8, "top_p": 0.95, "top_k": 50, "min_p": 0.01,
                                               "logprobs": 5}
     llm = LLM("tiny-qwen3", load_format="dummy", max_model_len=256, num_kv_blocks=32)
-    seen = []
-    llm.add_request = lambda prompt, params: seen.append(params)
-    llm.has_unfinished_requests = lambda: False
+    seen, add_request = [], llm.add_request
+
+    def recording(prompt, params):
+        seen.append(params)
+        return add_request(prompt, params)
+
+    llm.add_request = recording
     run_workload(llm, synthetic_workload(2, (5, 9), (2, 3), 512, 0), "x", False, {"temperature": 0.8, "logprobs": 5})
     assert [(p.temperature, p.logprobs, p.ignore_eos) for p in seen] == [(0.8, 5, True)] * 2
 

@@ -57,7 +57,10 @@ def rows(draw):
 
 @pytest.fixture(scope="module")
 def shared_engine(text_model):
-    return LLM(text_model, max_model_len=64, num_kv_blocks=64, max_num_seqs=4)
+    llm = LLM(text_model, max_model_len=64, num_kv_blocks=64, max_num_seqs=4)
+    release, llm.exit = llm.exit, lambda: None  # each job exits its engine when it ends; this one serves them all
+    yield llm
+    release()
 
 
 @settings(max_examples=80, deadline=None, derandomize=True,
