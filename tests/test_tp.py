@@ -188,6 +188,10 @@ class _GraphSizes:
     def batch_size_for(num_seqs: int) -> int:
         return 4
 
+    @staticmethod
+    def release() -> None:
+        """Nothing was captured."""
+
 
 def test_step_packing_round_trip():
     """A padded decode step, with seeded sampling: every field arrives with its dtype, shape and value."""
