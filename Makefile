@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 run: install
-	$(VENV)/bin/nanovllm run samples/prompts.jsonl
+	$(VENV)/bin/nanovllm run samples/prompts.jsonl --overwrite
 
 test: install
 	$(PY) -m pytest -q
