@@ -7,7 +7,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from nanovllm.layers.logprobs import compute_logprobs, compute_prompt_logprobs  # noqa: E402
+from nanovllm.layers.logprobs import chunked_logprobs, compute_logprobs  # noqa: E402
 
 
 def expected(logits, token_ids, num_top):
@@ -46,7 +46,7 @@ def test_prompt_logprobs_in_chunks_equal_one_pass():
     generator = torch.Generator().manual_seed(2)
     logits = torch.randn(37, 500, generator=generator) * 3
     next_ids = torch.randint(0, 500, (37,), generator=generator)
-    chunked = compute_prompt_logprobs(logits, next_ids, num_top=3, chunk_rows=8)
+    chunked = chunked_logprobs(lambda start, end: logits[start:end], next_ids, num_top=3, chunk_rows=8)
     chosen, ranks, top = expected(logits, next_ids, 3)
     torch.testing.assert_close(chunked.logprobs.double(), chosen, atol=1e-5, rtol=0)
     assert torch.equal(chunked.ranks, ranks)

@@ -8,6 +8,7 @@ position, each scoring the prompt token that follows it."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -46,14 +47,17 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
                          top_logprobs=top_values.float() - normaliser)
 
 
-def compute_prompt_logprobs(logits: torch.Tensor, prompt_ids: torch.Tensor, num_top: int,
-                            chunk_rows: int = 1024) -> TokenLogprobs:
-    """Prompt logprobs: logits [positions, vocab] of consecutive prompt positions and prompt_ids [positions] the
-    prompt token that follows each position. Processed in chunks of rows to bound the temporaries of a long
-    prompt."""
-    parts = [compute_logprobs(logits[start:start + chunk_rows], prompt_ids[start:start + chunk_rows], num_top)
-             for start in range(0, logits.shape[0], chunk_rows)]
+def chunked_logprobs(logits_of: Callable[[int, int], torch.Tensor | None], token_ids: torch.Tensor, num_top: int,
+                     chunk_rows: int = 1024) -> TokenLogprobs | None:
+    """Logprobs of `token_ids` [n] (e.g. each prompt position's next prompt token), a chunk of rows at a time to
+    bound the temporaries of a long prompt: `logits_of(start, end)` gives rows start..end's logits, or None (a
+    tensor-parallel worker, whose LM head still has to run: it is collective). None when no chunk had logits."""
+    parts = []
+    for start in range(0, len(token_ids), chunk_rows):
+        logits = logits_of(start, start + chunk_rows)
+        if logits is not None:
+            parts.append(compute_logprobs(logits, token_ids[start:start + chunk_rows], num_top))
     if not parts:
-        return compute_logprobs(logits, prompt_ids, num_top)
+        return None
     return TokenLogprobs(*(torch.cat([getattr(part, name) for part in parts])
                            for name in ("logprobs", "ranks", "top_ids", "top_logprobs")))

@@ -12,7 +12,7 @@ from nanovllm.attention import AttentionMetadata, select_backend
 from nanovllm.batch import ScheduledBatch
 from nanovllm.config import EngineConfig
 from nanovllm.distributed import min_over_ranks
-from nanovllm.layers.logprobs import TokenLogprobs, compute_logprobs
+from nanovllm.layers.logprobs import TokenLogprobs, chunked_logprobs, compute_logprobs
 from nanovllm.layers.sampler import SamplingTensors, sample
 from nanovllm.loaders import ResolvedModel, load_dummy_weights, load_safetensors_weights
 from nanovllm.models.llama import head_dim_of, kv_block_bytes, kv_heads_per_rank
@@ -518,17 +518,9 @@ class ModelRunner:
 
     def _prompt_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, num_top: int) -> TokenLogprobs | None:
         """Logprobs of the prompt tokens `targets` scores ([2, n]: token index in the step, prompt token), from
-        the logits of those positions, computed a chunk at a time (every rank: the LM head is collective)."""
-        parts = []
-        for start in range(0, targets.shape[1], _PROMPT_LOGITS_CHUNK):
-            chunk = targets[:, start:start + _PROMPT_LOGITS_CHUNK]
-            logits = self.model.compute_logits(hidden.index_select(0, chunk[0]))
-            if logits is not None:
-                parts.append(compute_logprobs(logits, chunk[1], num_top))
-        if not parts:
-            return None
-        return TokenLogprobs(*(torch.cat([getattr(part, name) for part in parts])
-                               for name in ("logprobs", "ranks", "top_ids", "top_logprobs")))
+        the logits of those positions (every rank: the LM head is collective)."""
+        return chunked_logprobs(lambda start, end: self.model.compute_logits(hidden.index_select(0, targets[0, start:end])),
+                                targets[1], num_top, _PROMPT_LOGITS_CHUNK)
 
     def wait(self, handle: StepHandle) -> tuple[list[int], float | None]:
         """The step's sampled ids, and its device time in seconds (None on the CPU)."""
