@@ -4,14 +4,19 @@ Memory stays bounded whatever the input size: at most `window` tokenized rows wa
 `max_num_seqs` requests are in the engine; beyond that only the set of ids met so far is kept (for resume and
 duplicate checks). The engine is driven through its request-level API only: `add_request`, `step`,
 `has_unfinished_requests`.
+
+A step that fails aborts every request in the engine (StepFailedError). The rows that were in it are rerun in
+halves, alone in the engine, until the row that makes a step fail is alone in one: only that row gets an error
+record. An engine that cannot run any more ends the job (EngineStepError).
 """
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import NoReturn
 
-from nanovllm import LLM, RequestOutput
+from nanovllm import LLM, RequestOutput, StepFailedError
 from nanovllm_cli.admission import PrefixGroup, admission_groups
 from nanovllm_cli.records import RecordBuilder
 from nanovllm_cli.rows import RowError, RowRequest
@@ -48,7 +53,7 @@ class RunStats:
 
 
 class EngineStepError(Exception):
-    """The engine failed in a step: the rows in it have error records; the engine cannot be trusted any more."""
+    """The engine failed in a step and cannot run any more: the rows in it have error records."""
 
 
 class BatchRunner:
@@ -70,6 +75,9 @@ class BatchRunner:
         self.seen: set[str] = set()
         self.in_flight: dict[str, RowRequest] = {}
         self.round = 0
+        # Rows of failed steps, in groups to rerun alone (the last group next); see the module docstring.
+        self.suspects: list[list[RowRequest]] = []
+        self.isolating = False  # the rows in flight are a group of suspects
 
     def run(self, rows: Iterable[RowRequest | RowError]) -> None:
         rows = iter(rows)
@@ -79,9 +87,12 @@ class BatchRunner:
             if not groups and not exhausted:
                 window, exhausted = self._read_window(rows)
                 groups = admission_groups(window, self.reorder, self.block_size)
-            groups = self._admit(groups)
+            if self.suspects or self.isolating:
+                self._admit_suspects()
+            else:
+                groups = self._admit(groups)
             if not self.in_flight:
-                if exhausted and not groups:
+                if exhausted and not groups and not self.suspects:
                     return
                 continue
             for output in self._step():
@@ -94,13 +105,48 @@ class BatchRunner:
     def _step(self) -> list[RequestOutput]:
         try:
             return self.llm.step()
+        except StepFailedError as exc:
+            if not exc.engine_usable:
+                self._fail_engine(exc.__cause__ or exc)
+            self._suspect_in_flight(exc)
+            return []
         except Exception as exc:  # noqa: BLE001 (whatever it was, the rows in flight get records saying so)
-            failed = list(self.in_flight.values())
-            self._fail_in_flight(f"the engine failed while running this row (with {len(failed)} rows in its "
-                                 f"step): {type(exc).__name__}: {exc}")
-            names = ", ".join(f"{r.where} (id {r.id!r})" for r in failed[:5]) + (" ..." if len(failed) > 5 else "")
-            raise EngineStepError(f"the engine failed in a step running {names}: {type(exc).__name__}: {exc}; "
-                                  "those rows have error records (rerun them with --retry-failed)") from exc
+            self._fail_engine(exc)
+
+    def _fail_engine(self, exc: BaseException) -> NoReturn:
+        """The engine cannot run any more: the rows in it, and those waiting to be rerun, get error records."""
+        for group in self.suspects:
+            self.in_flight.update((request.id, request) for request in group)
+        self.suspects.clear()
+        failed = list(self.in_flight.values())
+        self._fail_in_flight(f"the engine failed while running this row (with {len(failed)} rows in its "
+                             f"step): {type(exc).__name__}: {exc}")
+        names = ", ".join(f"{r.where} (id {r.id!r})" for r in failed[:5]) + (" ..." if len(failed) > 5 else "")
+        raise EngineStepError(f"the engine failed in a step running {names}: {type(exc).__name__}: {exc}; "
+                              "those rows have error records (rerun them with --retry-failed)") from exc
+
+    def _suspect_in_flight(self, failure: StepFailedError) -> None:
+        """The engine aborted every request in it: rerun the rows in halves, or fail the row that was alone."""
+        rows = list(self.in_flight.values())
+        self.in_flight.clear()
+        self.isolating = False
+        if len(rows) == 1:
+            cause = failure.__cause__ or failure
+            self._write_error(RowError(rows[0].id, rows[0].where, "the engine failed on this row alone: "
+                                       f"{type(cause).__name__}: {cause}", rows[0].endpoint),
+                              len(rows[0].token_ids), status_code=500)
+            return
+        half = len(rows) // 2
+        self.suspects += [rows[half:], rows[:half]]
+
+    def _admit_suspects(self) -> None:
+        """With nothing else in the engine, submit the next group of suspects whole."""
+        if self.in_flight:
+            return
+        self.isolating = bool(self.suspects)
+        if self.suspects:
+            for request in self.suspects.pop():
+                self._submit(request)
 
     def _read_window(self, rows: Iterator[RowRequest | RowError]) -> tuple[list[RowRequest], bool]:
         """Up to `window` tokenized rows; skipped and bad rows are dealt with on the way. True: input exhausted."""

@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
-from nanovllm import LLM, SamplingParams
+from nanovllm import LLM, SamplingParams, StepFailedError
 from nanovllm_cli.main import app
 from nanovllm_cli.preflight import OutputLock
 
@@ -178,6 +178,43 @@ def test_python_api_rejects_out_of_range_fields_and_the_engine_stays_usable():
     assert len(llm.generate([[1, 2]], SamplingParams(max_tokens=2))[0].token_ids) == 2
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_failed_step_aborts_its_requests_and_leaves_the_engine_clean(monkeypatch, async_scheduling):
+    llm = LLM("tiny-qwen3", load_format="dummy", max_model_len=64, num_kv_blocks=16,
+              async_scheduling=async_scheduling)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    expected = [o.token_ids for o in llm.generate([[1, 2, 3], [4, 5]], params)]
+    poison_steps(monkeypatch)
+    for prompt in ([1, 2, 3], [4, 5], POISON):
+        llm.add_request(prompt, params, request_id=str(prompt))
+    with pytest.raises(StepFailedError, match="OverflowError") as failed:
+        while llm.has_unfinished_requests():
+            llm.step()
+    assert sorted(failed.value.request_ids) == sorted(map(str, ([1, 2, 3], [4, 5], POISON)))
+    assert failed.value.engine_usable and not llm.has_unfinished_requests()
+    assert llm.get_metrics()["kv_cache_usage"] == 0  # every block of the aborted requests is free again
+    assert [o.token_ids for o in llm.generate([[1, 2, 3], [4, 5]], params)] == expected
+
+
+def test_a_failed_step_on_a_broken_device_leaves_an_engine_that_refuses_work(tmp_path, monkeypatch):
+    from nanovllm.runner.model_runner import ModelRunner
+
+    poison_steps(monkeypatch)
+    monkeypatch.setattr(ModelRunner, "device_error", lambda self: "CUDA error: an illegal memory access")
+    llm = LLM("tiny-qwen3", load_format="dummy", max_model_len=64, num_kv_blocks=16)
+    llm.add_request(POISON, SamplingParams(max_tokens=2))
+    with pytest.raises(StepFailedError) as failed:
+        llm.step()
+    assert not failed.value.engine_usable
+    with pytest.raises(RuntimeError, match="illegal memory access.*make a new one"):
+        llm.add_request([1, 2], SamplingParams(max_tokens=2))
+    path, out = write_jsonl(tmp_path / "in.jsonl", [*rows(2), {"id": "poison", "prompt_token_ids": POISON}]), \
+        tmp_path / "out.jsonl"
+    result = invoke(path, "-o", out)  # the CLI ends the job rather than rerun rows on a broken engine
+    assert result.exit_code == 3 and "OverflowError" in result.stderr
+    assert sorted(r["id"] for r in records(out)) == ["poison", "r0", "r1"]
+
+
 def test_an_engine_failure_in_a_step_gives_its_rows_error_records_and_names_them(tmp_path, monkeypatch):
     path, out = write_jsonl(tmp_path / "in.jsonl", rows(4)), tmp_path / "out.jsonl"
 
@@ -198,6 +235,41 @@ def test_an_engine_failure_in_a_step_gives_its_rows_error_records_and_names_them
     assert result.exit_code == 0
     final = records(out)
     assert sorted(r["id"] for r in final) == ["r0", "r1", "r2", "r3"] and all(r["error"] is None for r in final)
+
+
+POISON = [9, 9, 9, 9]  # a prompt whose steps the patched runner fails, standing in for any engine-side fault
+
+
+def poison_steps(monkeypatch):
+    """Make every step that holds a sequence with the POISON prompt raise inside the runner."""
+    from nanovllm.runner.model_runner import ModelRunner
+
+    prepare = ModelRunner.prepare
+
+    def failing_prepare(self, batch):
+        if any(seq.token_ids[:len(POISON)] == POISON for seq in batch.seqs):
+            raise OverflowError("int too big to convert")
+        return prepare(self, batch)
+
+    monkeypatch.setattr(ModelRunner, "prepare", failing_prepare)
+
+
+@pytest.mark.parametrize("async_loop", [False, True])
+def test_a_row_that_fails_inside_a_step_fails_alone(tmp_path, monkeypatch, async_loop):
+    lines = [*rows(3), {"id": "poison", "prompt_token_ids": POISON}, *rows(4, start=3)]
+    path, out, clean = write_jsonl(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl", tmp_path / "clean.jsonl"
+    loop = ["--include-token-ids", *(["--async"] if async_loop else [])]
+    assert invoke(write_jsonl(tmp_path / "clean_in.jsonl", [*rows(3), *rows(4, start=3)]), "-o", clean,
+                  *loop).exit_code == 0
+    poison_steps(monkeypatch)
+    result = invoke(path, "-o", out, "--max-num-seqs", 4, *loop)
+    assert result.exit_code == 1  # an error record remains; the job itself went on
+    by_id = {r["id"]: r for r in records(out)}
+    assert sorted(by_id) == sorted(r["id"] for r in lines)
+    assert "the engine failed on this row alone: OverflowError" in by_id.pop("poison")["error"]
+    for expected in records(clean):  # the rows that shared its steps were rerun and answered as in a clean run
+        got = by_id[expected["id"]]
+        assert got["error"] is None and got["token_ids"] == expected["token_ids"], expected["id"]
 
 
 def test_retry_failed_on_parquet_output(tmp_path):

@@ -70,6 +70,19 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
 
 
+class StepFailedError(RuntimeError):
+    """A step raised. Every unfinished request was aborted (`request_ids`: they get no output; add them again to
+    rerun them). `engine_usable`: the engine is back in a clean state and takes new requests; otherwise it must be
+    exited (a broken device, or tensor-parallel workers whose state is unknown)."""
+
+    def __init__(self, cause: BaseException, request_ids: list[str], engine_usable: bool):
+        what = "the engine takes new requests" if engine_usable else "the engine cannot run any more: make a new LLM"
+        super().__init__(f"a step failed: {type(cause).__name__}: {cause} ({len(request_ids)} unfinished requests "
+                         f"aborted; {what})")
+        self.request_ids = request_ids
+        self.engine_usable = engine_usable
+
+
 @dataclass
 class _Group:
     """The sequences of one request with n / best_of > 1, and those finished so far."""
@@ -112,6 +125,7 @@ class LLM:
         self._seed_rng = random.Random(self.config.seed)
         self._seq_ids = itertools.count()
         self._groups: dict[str, _Group] = {}  # request id -> its completions, for n / best_of > 1
+        self._broken: str | None = None  # why a failed step left the engine unable to run
 
     def _max_model_len(self) -> int:
         limit = self.hf_config.max_position_embeddings
@@ -140,8 +154,7 @@ class LLM:
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
                     prompt_token_ids: list[int] | None = None) -> str:
         """Queue one request; raises ValueError (and queues nothing) when the request is invalid or can never fit."""
-        if self._runner.released:
-            raise RuntimeError("this LLM was exited; make a new one")
+        self._check_usable()
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling params must be a SamplingParams")
@@ -211,9 +224,15 @@ class LLM:
         return self._loop.has_work()
 
     def step(self) -> list[RequestOutput]:
-        """One iteration of the step loop; returns the requests that finished in it."""
+        """One iteration of the step loop; returns the requests that finished in it. Raises StepFailedError
+        when the step fails: every unfinished request is then aborted, and the engine is left clean or unusable,
+        never in between."""
+        self._check_usable()
         started = time.perf_counter()
-        finished = self._loop.step()
+        try:
+            finished = self._loop.step()
+        except Exception as exc:  # noqa: BLE001 - whatever it was, no half-done step may stay behind
+            raise self._abort_after(exc) from exc
         detokenize_started = time.perf_counter()
         outputs = []
         for seq in finished:
@@ -229,6 +248,20 @@ class LLM:
         self.stats.detokenize_s += ended - detokenize_started
         self.stats.record_interval(started, ended)
         return outputs
+
+    def _abort_after(self, failure: Exception) -> StepFailedError:
+        request_ids = list(dict.fromkeys(seq.request_id for seq in self._loop.abort_all()))
+        self._groups.clear()
+        self._broken = "tensor-parallel workers may be mid-step" if self._workers else self._runner.device_error()
+        if self._broken:
+            self._broken = f"a step failed ({type(failure).__name__}: {failure}) and {self._broken}"
+        return StepFailedError(failure, request_ids, engine_usable=self._broken is None)
+
+    def _check_usable(self) -> None:
+        if self._runner.released:
+            raise RuntimeError("this LLM was exited; make a new one")
+        if self._broken:
+            raise RuntimeError(f"this LLM cannot run any more: {self._broken}; exit it and make a new one")
 
     @property
     def stats(self) -> EngineStats:

@@ -354,6 +354,26 @@ class Scheduler:
         if self.stop_strings is not None and seq.params.stop:
             self.stop_strings.forget(seq)
 
+    def abort_all(self) -> list[Sequence]:
+        """Drop every unfinished sequence, running or waiting (after a failed step, whose effects on them are
+        unknown): their blocks are freed (only committed blocks are in the prefix cache, so it stays valid), their
+        rows are released with the next batch, and the scheduler is empty. Returns them."""
+        aborted = [*self.running, *self.waiting, *self.finished]
+        for seq in self.running:
+            self.block_manager.free(seq)
+            self._released.append(seq.seq_id)
+        for seq in aborted:
+            seq.status = SequenceStatus.FINISHED
+            if self.stop_strings is not None and seq.params.stop:
+                self.stop_strings.forget(seq)
+        self.running.clear()
+        self.waiting.clear()
+        self.finished.clear()
+        self._plan = None
+        self._running_version += 1
+        self._num_constrained = 0
+        return aborted
+
     def take_finished(self) -> list[Sequence]:
         finished, self.finished = self.finished, []
         return finished

@@ -56,6 +56,11 @@ class StepLoop:
             done = launched
         return finished + self._complete(done) if done else finished
 
+    def abort_all(self) -> list[Sequence]:
+        """Forget the step in flight (its tokens are never committed) and drop every unfinished sequence."""
+        self.in_flight = None
+        return self.scheduler.abort_all()
+
     def _launch(self, finished: list[Sequence]) -> LaunchedStep | None:
         """Schedule, prepare and launch a step; a step completed on the way (see the class) adds its finished
         sequences to `finished`."""

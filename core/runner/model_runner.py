@@ -21,6 +21,7 @@ from nanovllm.runner.cuda_graphs import DecodeGraphs
 from nanovllm.runner.inputs import LaunchedForward, StepHandle, StepInputs
 from nanovllm.runner.logit_controls import LogitControls
 from nanovllm.runner.logprob_step import LogprobPlan, StepLogprobs, copy_to_host, plan_logprobs
+from nanovllm.runner.memory_budget import EngineMemoryMeter, kv_cache_bytes, release_process_workspaces
 from nanovllm.runner.step_buffers import (
     ROWS,
     ROWS_PLUS_ONE,
@@ -100,6 +101,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.vocab_size = self.hf_config.vocab_size
         self.num_kv_heads = kv_heads_per_rank(self.hf_config)
+        meter = EngineMemoryMeter(self.device) if self.device.type == "cuda" else None
 
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
@@ -115,14 +117,14 @@ class ModelRunner:
             load_safetensors_weights(self.model, resolved.weights_dir)
         self.model.eval()
 
-        self.num_kv_blocks = config.num_kv_blocks or min_over_ranks(self._kv_budget_blocks())  # TP: fits every rank
+        self.num_kv_blocks = config.num_kv_blocks or min_over_ranks(self._kv_budget_blocks(meter))  # TP: all ranks
         capacity = self.num_kv_blocks * self.block_size
         if capacity < max_model_len:  # checked before anything (CUDA graphs included) touches the cache
             raise ValueError(
                 f"the KV cache holds {self.num_kv_blocks} blocks = {capacity} tokens, less than one sequence of "
                 f"max_model_len={max_model_len}: lower max_model_len, or raise gpu_memory_utilization / "
-                "num_kv_blocks (cpu_kv_cache_bytes on the CPU); gpu_memory_utilization counts all memory in use "
-                "on the device, other engines' included")
+                "num_kv_blocks (cpu_kv_cache_bytes on the CPU); gpu_memory_utilization is this engine's share of "
+                "the device, and the cache also takes no more than is free")
         self.kv_cache = self._allocate_kv_cache(self.num_kv_blocks)
         backend = select_backend(config.attention_backend, self.device)
         if self.block_size % backend.required_block_size_multiple:
@@ -176,7 +178,18 @@ class ModelRunner:
         self.controls = self.rows.controls = None
         if self.device.type == "cuda":
             gc.collect()  # whatever a CUDA graph or a kernel cache still ties into a cycle, before the cache is emptied
-            torch.cuda.empty_cache()
+            release_process_workspaces()
+
+    def device_error(self) -> str | None:
+        """After a failed step: why the device can run nothing more (a sticky CUDA error), or None when it can.
+        Waiting for the device also drains whatever the failed step had launched."""
+        if self.device.type != "cuda":
+            return None
+        try:
+            torch.cuda.synchronize(self.device)
+        except RuntimeError as exc:  # CUDA reports a broken context only this way
+            return str(exc)
+        return None
 
     @property
     def released(self) -> bool:
@@ -188,24 +201,14 @@ class ModelRunner:
     def kv_block_bytes(self) -> int:
         return kv_block_bytes(self.hf_config, self.block_size, self.dtype.itemsize, self.num_kv_heads)
 
-    def _kv_budget_blocks(self) -> int:
-        if self.device.type == "cpu":
+    def _kv_budget_blocks(self, meter: EngineMemoryMeter | None) -> int:
+        if meter is None:
             return self.config.cpu_kv_cache_bytes // self.kv_block_bytes
-        return self._profile_gpu_kv_blocks()
-
-    def _profile_gpu_kv_blocks(self) -> int:
-        """Warm up at the largest token batch, then give the cache what the memory budget leaves (docs/ARCHITECTURE.md,
-        KV budget)."""
+        meter.start_peak()
+        self._warmup_forward()  # at the largest token batch: its peak is what a step may need besides the cache
+        budget = kv_cache_bytes(meter.measure(), self.config.gpu_memory_utilization)
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        self._warmup_forward()
-        torch.cuda.synchronize(self.device)
-        free, total = torch.cuda.mem_get_info(self.device)
-        in_use = total - free
-        peak_activations = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
-        budget = total * self.config.gpu_memory_utilization - in_use - peak_activations
-        torch.cuda.empty_cache()
-        return max(int(budget) // self.kv_block_bytes, 0)
+        return budget // self.kv_block_bytes
 
     @torch.inference_mode()
     def _warmup_forward(self) -> None:
