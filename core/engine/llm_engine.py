@@ -21,7 +21,7 @@ from nanovllm.engine.stop_strings import StopStringDetector
 from nanovllm.loaders import resolve_model
 from nanovllm.runner.logit_controls import HISTORY_WINDOW
 from nanovllm.runner.model_runner import ModelRunner
-from nanovllm.runner.tp_workers import TPRunner, start_workers
+from nanovllm.runner.tp_workers import TPRunner, TPWorkerError, start_workers
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.tokenization import Prompt, PromptTokenizer
 
@@ -226,11 +226,15 @@ class LLM:
     def step(self) -> list[RequestOutput]:
         """One iteration of the step loop; returns the requests that finished in it. Raises StepFailedError
         when the step fails: every unfinished request is then aborted, and the engine is left clean or unusable,
-        never in between."""
+        never in between; TPWorkerError when a tensor-parallel worker died or raised (the engine is stopped)."""
         self._check_usable()
         started = time.perf_counter()
         try:
             finished = self._loop.step()
+        except TPWorkerError:  # the workers are stopped: the engine cannot run again, and this says why
+            self._loop.abort_all()
+            self._groups.clear()
+            raise
         except Exception as exc:  # noqa: BLE001 - whatever it was, no half-done step may stay behind
             raise self._abort_after(exc) from exc
         detokenize_started = time.perf_counter()

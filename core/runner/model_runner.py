@@ -101,7 +101,6 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.vocab_size = self.hf_config.vocab_size
         self.num_kv_heads = kv_heads_per_rank(self.hf_config)
-        meter = EngineMemoryMeter(self.device) if self.device.type == "cuda" else None
 
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
@@ -117,7 +116,7 @@ class ModelRunner:
             load_safetensors_weights(self.model, resolved.weights_dir)
         self.model.eval()
 
-        self.num_kv_blocks = config.num_kv_blocks or min_over_ranks(self._kv_budget_blocks(meter))  # TP: all ranks
+        self.num_kv_blocks = config.num_kv_blocks or min_over_ranks(self._kv_budget_blocks())  # TP: fits every rank
         capacity = self.num_kv_blocks * self.block_size
         if capacity < max_model_len:  # checked before anything (CUDA graphs included) touches the cache
             raise ValueError(
@@ -201,12 +200,13 @@ class ModelRunner:
     def kv_block_bytes(self) -> int:
         return kv_block_bytes(self.hf_config, self.block_size, self.dtype.itemsize, self.num_kv_heads)
 
-    def _kv_budget_blocks(self, meter: EngineMemoryMeter | None) -> int:
-        if meter is None:
+    def _kv_budget_blocks(self) -> int:
+        if self.device.type == "cpu":
             return self.config.cpu_kv_cache_bytes // self.kv_block_bytes
+        meter = EngineMemoryMeter(self.device)
         meter.start_peak()
         self._warmup_forward()  # at the largest token batch: its peak is what a step may need besides the cache
-        budget = kv_cache_bytes(meter.measure(), self.config.gpu_memory_utilization)
+        budget = kv_cache_bytes(meter.measure(self.model), self.config.gpu_memory_utilization)
         torch.cuda.empty_cache()
         return budget // self.kv_block_bytes
 
