@@ -16,14 +16,17 @@ The rule (the torch path `nanovllm.layers.sampler.reference_sample` states it th
 
 How it avoids sorting the vocabulary: after one pass for (max, finite min, softmax mass) the kernel searches the
 threshold of the first active filter (count mode for top-k, mass mode for top-p) with PIVOTS thresholds per pass
-over the row, narrowing [lo, hi) (lo satisfies the filter's target, hi does not). As soon as at most CAP tokens
-lie at or above lo it writes them (value, id) to a per-row scratch, sorts those in registers and finishes every
-threshold and the Gumbel-max draw there: no further pass. If instead the interval [lo, hi) holds at most CAP
-tokens while more lie above (a large kept set: top-p alone on a flat distribution, top-k > CAP), the interval is
-sorted to place the threshold exactly, a second search places top-p after top-k when both are on, and one last
-pass draws over the kept set. Temperature-only rows take a single pass (draw over all), min-p-only rows two.
+over the row, narrowing [lo, hi) (lo satisfies the filter's target, hi does not). For a top-k of at most CAP
+the first kernel, as soon as at most CAP tokens lie at or above lo, gathers them (value, id) into a per-row
+scratch, sorts those in registers and finishes every threshold and the Gumbel-max draw there: no further pass.
+Temperature-only rows take a single pass (draw over all), min-p-only rows two.
+
+Rows with top-k > CAP or top-p without top-k are left by that first kernel to a second one, which every other
+row leaves at once: the interval [lo, hi), once it holds at most CAP tokens, is sorted to place the threshold
+exactly, a second search places top-p after top-k when both are on, and one last pass draws over the kept set.
 A row whose search interval still holds more than CAP tokens after MAX_PASSES passes (thousands of distinct
-logits within a relative width of 1e-9) keeps that whole interval.
+logits within a relative width of 1e-9) keeps that whole interval. Two kernels rather than one: the rare path's
+registers would otherwise bound the common path's passes.
 """
 from __future__ import annotations
 
@@ -80,52 +83,65 @@ def _load(base, start, vocab, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _first_best(best, best_id, vocab):
+    """The largest of per-lane bests and, on ties, the smallest id: each lane kept its first best, and a lane's
+    ids only grow."""
+    top = tl.max(best, axis=0)
+    return tl.min(tl.where(best == top, best_id, vocab), axis=0).to(tl.int64)
+
+
+@triton.jit
+def _take_better(score, cols, best, best_id):
+    take = score > best
+    return tl.where(take, score, best), tl.where(take, cols, best_id)
+
+
+@triton.jit
 def _argmax_pass(base, vocab, BLOCK: tl.constexpr):
-    best = tl.full([], float("-inf"), tl.float32)
-    best_id = tl.full([], 0, tl.int64)
+    # Per-lane running bests, reduced across the program once at the end: a reduction per block would cost a
+    # barrier and a shared-memory round trip per block, which bounds a pass more than its loads.
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_id = tl.zeros([BLOCK], dtype=tl.int32)
     for start in range(0, vocab, BLOCK):
         x, cols = _load(base, start, vocab, BLOCK)
-        block_best = tl.max(x, axis=0)
-        block_id = tl.min(tl.where(x == block_best, cols, vocab), axis=0).to(tl.int64)
-        take = block_best > best
-        best_id = tl.where(take, block_id, best_id)
-        best = tl.where(take, block_best, best)
-    return best_id
+        best, best_id = _take_better(x, cols, best, best_id)
+    return _first_best(best, best_id, vocab)
 
 
 @triton.jit
 def _draw_pass(base, vocab, tau, inv_t, row_key, BLOCK: tl.constexpr):
     """Gumbel-max winner over the tokens with x >= tau."""
-    best = tl.full([], float("-inf"), tl.float32)
-    best_id = tl.full([], 0, tl.int64)
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_id = tl.zeros([BLOCK], dtype=tl.int32)
     for start in range(0, vocab, BLOCK):
         x, cols = _load(base, start, vocab, BLOCK)
         score = tl.where(x >= tau, x * inv_t + _gumbel(row_key, cols), float("-inf"))
-        block_best = tl.max(score, axis=0)
-        block_id = tl.min(tl.where(score == block_best, cols, vocab), axis=0).to(tl.int64)
-        take = block_best > best
-        best_id = tl.where(take, block_id, best_id)
-        best = tl.where(take, block_best, best)
-    return best_id
+        best, best_id = _take_better(score, cols, best, best_id)
+    return _first_best(best, best_id, vocab)
 
 
 @triton.jit
-def _stats_pass(base, vocab, inv_t, BLOCK: tl.constexpr):
-    """(max, smallest finite logit, number of finite logits, sum of exp((x - max) * inv_t)), one online pass."""
-    row_max = tl.full([], float("-inf"), tl.float32)
-    row_min = tl.full([], float("inf"), tl.float32)
-    finite = tl.full([], 0, tl.int32)
-    mass = tl.full([], 0.0, tl.float32)
+def _stats_pass(base, vocab, inv_t, BLOCK: tl.constexpr, WITH_MASS: tl.constexpr):
+    """(max, smallest finite logit, number of finite logits, sum of exp((x - max) * inv_t) or 0 without
+    WITH_MASS), one online pass with per-lane accumulators."""
+    lane_max = tl.full([BLOCK], float("-inf"), tl.float32)
+    lane_min = tl.full([BLOCK], float("inf"), tl.float32)
+    finite = tl.zeros([BLOCK], dtype=tl.int32)
+    lane_mass = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(0, vocab, BLOCK):
         x, _ = _load(base, start, vocab, BLOCK)
-        new_max = tl.maximum(row_max, tl.max(x, axis=0))
-        shift = tl.where(new_max > float("-inf"), new_max, 0.0)  # a block of banned (-inf) tokens only
-        mass = mass * tl.exp((row_max - shift) * inv_t) + tl.sum(tl.exp((x - shift) * inv_t), axis=0)
-        row_max = new_max
+        new_max = tl.maximum(lane_max, x)
+        if WITH_MASS:
+            shift = tl.where(new_max > float("-inf"), new_max, 0.0)  # a lane of banned (-inf) tokens only so far
+            lane_mass = lane_mass * tl.exp((lane_max - shift) * inv_t) + tl.exp((x - shift) * inv_t)
+        lane_max = new_max
         is_finite = x > float("-inf")
-        row_min = tl.minimum(row_min, tl.min(tl.where(is_finite, x, float("inf")), axis=0))
-        finite += tl.sum(is_finite.to(tl.int32), axis=0)
-    return row_max, row_min, finite, mass
+        lane_min = tl.minimum(lane_min, tl.where(is_finite, x, float("inf")))
+        finite += is_finite.to(tl.int32)
+    row_max = tl.max(lane_max, axis=0)
+    shift = tl.where(row_max > float("-inf"), row_max, 0.0)
+    mass = tl.sum(lane_mass * tl.exp((lane_max - shift) * inv_t), axis=0)
+    return row_max, tl.min(lane_min, axis=0), tl.sum(finite, axis=0), mass
 
 
 @triton.jit
@@ -134,7 +150,15 @@ def _pick(vector, index, lanes):
 
 
 @triton.jit
-def _count_above(x, pivots, row_max, inv_t, counts, masses):
+def _count_above(x, pivots, counts):
+    """Add each token's membership above each pivot into per-(lane, pivot) counts [len(x), PIVOTS]."""
+    return counts + (x[:, None] >= pivots[None, :]).to(tl.int32)
+
+
+@triton.jit
+def _count_and_mass_above(x, pivots, row_max, inv_t, counts, masses):
+    """(count, mass) above each pivot of one block, reduced across the program at once (per-lane mass
+    accumulators beside the counts would not fit in the registers)."""
     above = x[:, None] >= pivots[None, :]
     counts += tl.sum(above.to(tl.int32), axis=0)
     masses += tl.sum(tl.where(above, tl.exp((x - row_max) * inv_t)[:, None], 0.0), axis=0)
@@ -142,34 +166,54 @@ def _count_above(x, pivots, row_max, inv_t, counts, masses):
 
 
 @triton.jit
-def _search(base, vocab, row_max, inv_t, lo, count_lo, mass_lo, target, by_mass,
-            BLOCK: tl.constexpr, PIVOTS: tl.constexpr, CAP: tl.constexpr, MAX_PASSES: tl.constexpr):
+def _search(base, vocab, row_max, inv_t, lo, count_lo, mass_lo, target, BY_MASS: tl.constexpr,
+            TRACK_MASS: tl.constexpr, BLOCK: tl.constexpr, PIVOTS: tl.constexpr, CAP: tl.constexpr,
+            MAX_PASSES: tl.constexpr):
     """Narrow [lo, hi) around the largest threshold v with W(x >= v) >= target (W: the token count, or the mass
-    when `by_mass`), from a lo that reaches the target, until at most CAP tokens lie at or above lo, or within
+    when BY_MASS), from a lo that reaches the target, until at most CAP tokens lie at or above lo, or within
     [lo, hi). Returns lo, hi and the (count, mass) at or above each; hi = +inf (count 0) when all of x >= lo
-    fits in CAP. Stops early when lo reaches the top (more than CAP tokens tied at lo)."""
+    fits in CAP. Stops early when lo reaches the top (more than CAP tokens tied at lo). Without TRACK_MASS
+    (a count search whose caller needs no mass) the masses are not computed and returned as 0."""
     hi = tl.full([], float("inf"), tl.float32)
     count_hi = tl.full([], 0, tl.int32)
     mass_hi = tl.full([], 0.0, tl.float32)
     lanes = tl.arange(0, PIVOTS)
     passes = 0
     top = tl.minimum(hi, row_max)
+    SUB: tl.constexpr = BLOCK // 4
     while (count_lo > CAP) & (count_lo - count_hi > CAP) & (lo < top) & (passes < MAX_PASSES):
         pivots = lo + (top - lo) * ((lanes + 1).to(tl.float32) / PIVOTS)
         pivots = tl.where(lanes == PIVOTS - 1, top, pivots)
-        counts = tl.zeros([PIVOTS], dtype=tl.int32)
-        masses = tl.zeros([PIVOTS], dtype=tl.float32)
         # four loads in flight before the first is used: one program per row must hide memory latency itself
-        for start in range(0, vocab, BLOCK):
-            x0, _ = _load(base, start, vocab, BLOCK // 4)
-            x1, _ = _load(base, start + BLOCK // 4, vocab, BLOCK // 4)
-            x2, _ = _load(base, start + 2 * (BLOCK // 4), vocab, BLOCK // 4)
-            x3, _ = _load(base, start + 3 * (BLOCK // 4), vocab, BLOCK // 4)
-            counts, masses = _count_above(x0, pivots, row_max, inv_t, counts, masses)
-            counts, masses = _count_above(x1, pivots, row_max, inv_t, counts, masses)
-            counts, masses = _count_above(x2, pivots, row_max, inv_t, counts, masses)
-            counts, masses = _count_above(x3, pivots, row_max, inv_t, counts, masses)
-        reached = tl.where(by_mass, masses, counts.to(tl.float32)) >= target
+        if TRACK_MASS:
+            counts = tl.zeros([PIVOTS], dtype=tl.int32)
+            masses = tl.zeros([PIVOTS], dtype=tl.float32)
+            for start in range(0, vocab, BLOCK):
+                x0, _ = _load(base, start, vocab, SUB)
+                x1, _ = _load(base, start + SUB, vocab, SUB)
+                x2, _ = _load(base, start + 2 * SUB, vocab, SUB)
+                x3, _ = _load(base, start + 3 * SUB, vocab, SUB)
+                counts, masses = _count_and_mass_above(x0, pivots, row_max, inv_t, counts, masses)
+                counts, masses = _count_and_mass_above(x1, pivots, row_max, inv_t, counts, masses)
+                counts, masses = _count_and_mass_above(x2, pivots, row_max, inv_t, counts, masses)
+                counts, masses = _count_and_mass_above(x3, pivots, row_max, inv_t, counts, masses)
+        else:  # per-lane counts, reduced once (see _argmax_pass)
+            lane_counts = tl.zeros([SUB, PIVOTS], dtype=tl.int32)
+            for start in range(0, vocab, BLOCK):
+                x0, _ = _load(base, start, vocab, SUB)
+                x1, _ = _load(base, start + SUB, vocab, SUB)
+                x2, _ = _load(base, start + 2 * SUB, vocab, SUB)
+                x3, _ = _load(base, start + 3 * SUB, vocab, SUB)
+                lane_counts = _count_above(x0, pivots, lane_counts)
+                lane_counts = _count_above(x1, pivots, lane_counts)
+                lane_counts = _count_above(x2, pivots, lane_counts)
+                lane_counts = _count_above(x3, pivots, lane_counts)
+            counts = tl.sum(lane_counts, axis=0)
+            masses = tl.zeros([PIVOTS], dtype=tl.float32)
+        if BY_MASS:
+            reached = masses >= target
+        else:
+            reached = counts.to(tl.float32) >= target
         num_valid = tl.sum(reached.to(tl.int32), axis=0)  # W falls as the pivot rises: a prefix reaches it
         if num_valid > 0:
             lo = _pick(pivots, num_valid - 1, lanes)
@@ -189,20 +233,20 @@ def _search(base, vocab, row_max, inv_t, lo, count_lo, mass_lo, target, by_mass,
 
 
 @triton.jit
-def _gather_sorted(base, vocab, lo, hi, scratch_row, BLOCK: tl.constexpr, CAP: tl.constexpr):
+def _gather_sorted(base, vocab, lo, hi, scratch_row, counter, BLOCK: tl.constexpr, CAP: tl.constexpr):
     """The tokens with lo <= x < hi (at most CAP of them), sorted by logit descending then id ascending:
-    (values, ids, lane is filled)."""
-    filled = tl.full([], 0, tl.int32)
+    (values, ids, lane is filled). Each chosen token takes a scratch slot from an atomic counter (zero before
+    the call): the order the slots are taken in does not matter, the sort restores one."""
     for start in range(0, vocab, BLOCK):
         x, cols = _load(base, start, vocab, BLOCK)
         chosen = (x >= lo) & (x < hi)
-        slot = filled + tl.cumsum(chosen.to(tl.int32), axis=0) - 1
+        slot = tl.atomic_add(counter + tl.zeros_like(cols), 1, mask=chosen, sem="relaxed")
         bits = x.to(tl.int32, bitcast=True)
         ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # int order == float order
         key = (ordered.to(tl.int64) << 32) | (0xFFFFFFFF - cols.to(tl.int64))
         tl.store(scratch_row + slot, key, mask=chosen & (slot < CAP))
-        filled += tl.sum(chosen.to(tl.int32), axis=0)
     tl.debug_barrier()
+    filled = tl.atomic_add(counter, 0, sem="relaxed")  # read at the L2, where the increments are
     lanes = tl.arange(0, CAP)
     keys = tl.load(scratch_row + lanes, mask=lanes < filled, other=-9223372036854775808)
     keys = tl.sort(keys, descending=True)
@@ -222,86 +266,136 @@ def _first_reaching(values, cumulative, target, filled, lanes, CAP: tl.constexpr
 
 
 @triton.jit
-def _sample_kernel(logits, stride, out, temperatures, top_k, top_p, min_p, seeds, positions, scratch, vocab,
-                   BLOCK: tl.constexpr, PIVOTS: tl.constexpr, CAP: tl.constexpr, MAX_PASSES: tl.constexpr):
+def _row_settings(temperatures, top_k, top_p, min_p, seeds, positions, row, vocab):
+    temperature = tl.load(temperatures + row)
+    inv_t = tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.where(temperature == 0.0, 1.0, temperature))
+    k = tl.load(top_k + row)
+    p = tl.load(top_p + row)
+    return (temperature, inv_t, k, p, tl.load(min_p + row), _row_key(tl.load(seeds + row), tl.load(positions + row)),
+            k < vocab, p < 1.0)
+
+
+@triton.jit
+def _finish_in_registers(base, vocab, lo, hi, row_max, inv_t, k_target, p, tau, topp_on, row_key, scratch_row,
+                         counter, BLOCK: tl.constexpr, CAP: tl.constexpr):
+    """Every token >= lo fits in CAP and top-k is on: gather and sort them, place top-k, then top-p among its
+    survivors, and draw; no further pass."""
+    lanes = tl.arange(0, CAP)
+    values, ids, filled = _gather_sorted(base, vocab, lo, hi, scratch_row, counter, BLOCK, CAP)
+    weights = tl.where(filled, tl.exp((values - row_max) * inv_t), 0.0)
+    tau_k = _first_reaching(values, (lanes + 1).to(tl.float32), k_target, filled, lanes, CAP)
+    if topp_on:
+        survivors = tl.sum(tl.where(values >= tau_k, weights, 0.0), axis=0)
+        tau = tl.maximum(tau, _first_reaching(values, tl.cumsum(weights, axis=0), p * survivors,
+                                              filled & (values >= tau_k), lanes, CAP))
+    tau = tl.maximum(tau, tau_k)
+    score = tl.where(filled & (values >= tau), values * inv_t + _gumbel(row_key, ids), float("-inf"))
+    best = tl.max(score, axis=0)
+    return tl.min(tl.where(score == best, ids, vocab), axis=0).to(tl.int64)
+
+
+WIDE = tl.constexpr(-2)  # the token of a row the first kernel leaves to the second (more than CAP kept tokens)
+
+
+@triton.jit
+def _sample_kernel(logits, stride, out, temperatures, top_k, top_p, min_p, seeds, positions, scratch, counters,
+                   vocab, BLOCK: tl.constexpr, PIVOTS: tl.constexpr, CAP: tl.constexpr, MAX_PASSES: tl.constexpr):
+    """Rows with a top-k up to CAP (with or without top-p and min-p), temperature-only, min-p-only and greedy
+    rows; the others (top-k > CAP, top-p without top-k) are marked WIDE for _sample_wide_kernel. Kept lean, with
+    count searches only: its registers bound the speed of every pass."""
     row = tl.program_id(0).to(tl.int64)
     base = logits + row * stride
-    temperature = tl.load(temperatures + row)
+    temperature, inv_t, k, p, minimum_p, row_key, topk_on, topp_on = _row_settings(
+        temperatures, top_k, top_p, min_p, seeds, positions, row, vocab)
+    token = tl.full([], -1, tl.int64)
     if temperature == 0.0:
         token = _argmax_pass(base, vocab, BLOCK)
     else:
-        inv_t = tl.math.div_rn(tl.full([], 1.0, tl.float32), temperature)
-        k = tl.load(top_k + row)
-        p = tl.load(top_p + row)
-        minimum_p = tl.load(min_p + row)
-        row_key = _row_key(tl.load(seeds + row), tl.load(positions + row))
-        topk_on = k < vocab
-        topp_on = p < 1.0
         tau = tl.full([], float("-inf"), tl.float32)
-        token = tl.full([], -1, tl.int64)
-        if topk_on | topp_on:
-            row_max, row_min, finite, total = _stats_pass(base, vocab, inv_t, BLOCK)
+        if topk_on:  # top-p (if on) is placed among the top-k survivors once they are in registers
+            row_max, row_min, finite, mass = _stats_pass(base, vocab, inv_t, BLOCK, False)
             if minimum_p > 0.0:
                 tau = row_max + temperature * tl.log(minimum_p)
             k_target = tl.minimum(k, finite).to(tl.float32)  # a k past the unbanned tokens keeps them all
-            lanes = tl.arange(0, CAP)
-            scratch_row = scratch + row * CAP
-            target = tl.where(topk_on, k_target, p * total)
             lo, hi, count_lo, count_hi, mass_lo, mass_hi = _search(
-                base, vocab, row_max, inv_t, row_min, finite, total, target, k >= vocab, BLOCK, PIVOTS, CAP, MAX_PASSES)
-            if count_lo <= CAP:  # every token >= lo fits in registers: finish there, no further pass
-                values, ids, filled = _gather_sorted(base, vocab, lo, hi, scratch_row, BLOCK, CAP)
-                weights = tl.where(filled, tl.exp((values - row_max) * inv_t), 0.0)
-                tau_k = tl.full([], float("-inf"), tl.float32)
-                survivors = total
-                if topk_on:
-                    tau_k = _first_reaching(values, (lanes + 1).to(tl.float32), k_target, filled, lanes, CAP)
-                    survivors = tl.sum(tl.where(values >= tau_k, weights, 0.0), axis=0)
-                if topp_on:
-                    tau = tl.maximum(tau, _first_reaching(values, tl.cumsum(weights, axis=0), p * survivors,
-                                                          filled & (values >= tau_k), lanes, CAP))
-                tau = tl.maximum(tau, tau_k)
-                score = tl.where(filled & (values >= tau), values * inv_t + _gumbel(row_key, ids), float("-inf"))
-                best = tl.max(score, axis=0)
-                token = tl.min(tl.where(score == best, ids, vocab), axis=0).to(tl.int64)
+                base, vocab, row_max, inv_t, row_min, finite, mass, k_target, False, False, BLOCK, PIVOTS, CAP,
+                MAX_PASSES)
+            if count_lo <= CAP:
+                token = _finish_in_registers(base, vocab, lo, hi, row_max, inv_t, k_target, p, tau, topp_on,
+                                             row_key, scratch + row * CAP, counters + row * 4, BLOCK, CAP)
             else:
-                threshold = lo  # more than CAP tokens still in [lo, hi) after MAX_PASSES: keep them all
-                count_kept = count_lo
-                survivors = mass_lo
-                if count_lo - count_hi <= CAP:  # the exact threshold, inside the interval
-                    values, ids, filled = _gather_sorted(base, vocab, lo, hi, scratch_row, BLOCK, CAP)
-                    weights = tl.where(filled, tl.exp((values - row_max) * inv_t), 0.0)
-                    if topk_on:
-                        reached = (count_hi + lanes + 1).to(tl.float32)
-                        threshold = _first_reaching(values, reached, k_target, filled, lanes, CAP)
-                    else:
-                        threshold = _first_reaching(values, mass_hi + tl.cumsum(weights, axis=0), p * total,
-                                                    filled, lanes, CAP)
-                    kept = filled & (values >= threshold)
-                    count_kept = count_hi + tl.sum(kept.to(tl.int32), axis=0)
-                    survivors = mass_hi + tl.sum(tl.where(kept, weights, 0.0), axis=0)
-                if topk_on & topp_on:  # top-p inside the top-k survivors: a second search, up from tau_k
-                    lo, hi, count_lo, count_hi, mass_lo, mass_hi = _search(
-                        base, vocab, row_max, inv_t, threshold, count_kept, survivors, p * survivors, topp_on,
-                        BLOCK, PIVOTS, CAP, MAX_PASSES)
-                    tau_k = threshold
-                    threshold = lo
-                    if count_lo - count_hi <= CAP:
-                        values, ids, filled = _gather_sorted(base, vocab, lo, hi, scratch_row, BLOCK, CAP)
-                        weights = tl.where(filled, tl.exp((values - row_max) * inv_t), 0.0)
-                        threshold = _first_reaching(values, mass_hi + tl.cumsum(weights, axis=0), p * survivors,
-                                                    filled, lanes, CAP)
-                    threshold = tl.maximum(threshold, tau_k)
-                tau = tl.maximum(tau, threshold)
+                token = tl.full([], WIDE, tl.int64)
+        elif topp_on:
+            token = tl.full([], WIDE, tl.int64)
         elif minimum_p > 0.0:
             row_max = tl.full([], float("-inf"), tl.float32)
             for start in range(0, vocab, BLOCK):
                 x, _ = _load(base, start, vocab, BLOCK)
                 row_max = tl.maximum(row_max, tl.max(x, axis=0))
             tau = row_max + temperature * tl.log(minimum_p)
-        if token < 0:
+        if token == -1:
             token = _draw_pass(base, vocab, tau, inv_t, row_key, BLOCK)
     tl.store(out + row, token)
+
+
+@triton.jit
+def _sample_wide_kernel(logits, stride, out, temperatures, top_k, top_p, min_p, seeds, positions, scratch,
+                        counters, vocab, BLOCK: tl.constexpr, PIVOTS: tl.constexpr, CAP: tl.constexpr,
+                        MAX_PASSES: tl.constexpr):
+    """The rows _sample_kernel marked WIDE (every other row returns at once): a kept set of more than CAP
+    tokens. The search interval [lo, hi) holding at most CAP tokens is sorted to place the threshold exactly
+    (else, after MAX_PASSES passes, the whole interval is kept), a second search places top-p after top-k when
+    both are on, and one last pass draws over the kept set."""
+    row = tl.program_id(0).to(tl.int64)
+    if tl.load(out + row) == WIDE:
+        base = logits + row * stride
+        temperature, inv_t, k, p, minimum_p, row_key, topk_on, topp_on = _row_settings(
+            temperatures, top_k, top_p, min_p, seeds, positions, row, vocab)
+        row_max, row_min, finite, total = _stats_pass(base, vocab, inv_t, BLOCK, True)
+        tau = tl.full([], float("-inf"), tl.float32)
+        if minimum_p > 0.0:
+            tau = row_max + temperature * tl.log(minimum_p)
+        k_target = tl.minimum(k, finite).to(tl.float32)
+        lanes = tl.arange(0, CAP)
+        scratch_row = scratch + row * CAP
+        counter = counters + row * 4
+        if topk_on:
+            lo, hi, count_lo, count_hi, mass_lo, mass_hi = _search(
+                base, vocab, row_max, inv_t, row_min, finite, total, k_target, False, True, BLOCK, PIVOTS, CAP,
+                MAX_PASSES)
+        else:
+            lo, hi, count_lo, count_hi, mass_lo, mass_hi = _search(
+                base, vocab, row_max, inv_t, row_min, finite, total, p * total, True, True, BLOCK, PIVOTS, CAP,
+                MAX_PASSES)
+        threshold = lo  # more than CAP tokens still in [lo, hi) after MAX_PASSES: keep them all
+        count_kept = count_lo
+        survivors = mass_lo
+        if count_lo - count_hi <= CAP:  # the exact threshold, inside the interval
+            values, ids, filled = _gather_sorted(base, vocab, lo, hi, scratch_row, counter + 1, BLOCK, CAP)
+            weights = tl.where(filled, tl.exp((values - row_max) * inv_t), 0.0)
+            if topk_on:
+                threshold = _first_reaching(values, (count_hi + lanes + 1).to(tl.float32), k_target, filled,
+                                            lanes, CAP)
+            else:
+                threshold = _first_reaching(values, mass_hi + tl.cumsum(weights, axis=0), p * total, filled,
+                                            lanes, CAP)
+            kept = filled & (values >= threshold)
+            count_kept = count_hi + tl.sum(kept.to(tl.int32), axis=0)
+            survivors = mass_hi + tl.sum(tl.where(kept, weights, 0.0), axis=0)
+        if topk_on & topp_on:  # top-p inside the top-k survivors: a second search, up from tau_k
+            lo, hi, count_lo, count_hi, mass_lo, mass_hi = _search(
+                base, vocab, row_max, inv_t, threshold, count_kept, survivors, p * survivors, True, True,
+                BLOCK, PIVOTS, CAP, MAX_PASSES)
+            tau_k = threshold
+            threshold = lo
+            if count_lo - count_hi <= CAP:
+                values, ids, filled = _gather_sorted(base, vocab, lo, hi, scratch_row, counter + 2, BLOCK, CAP)
+                weights = tl.where(filled, tl.exp((values - row_max) * inv_t), 0.0)
+                threshold = _first_reaching(values, mass_hi + tl.cumsum(weights, axis=0), p * survivors,
+                                            filled, lanes, CAP)
+            threshold = tl.maximum(threshold, tau_k)
+        tau = tl.maximum(tau, threshold)
+        tl.store(out + row, _draw_pass(base, vocab, tau, inv_t, row_key, BLOCK))
 
 
 def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -316,9 +410,12 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.
     if batch == 0:
         return out
     scratch = torch.empty(batch, cap, dtype=torch.int64, device=logits.device)
-    _sample_kernel[(batch,)](
-        logits, logits.stride(0), out, temperatures, top_k, top_p, min_p, seeds, positions, scratch, vocab,
-        BLOCK=block, PIVOTS=PIVOTS, CAP=cap, MAX_PASSES=MAX_PASSES, num_warps=num_warps)
+    counters = torch.zeros(batch, 4, dtype=torch.int32, device=logits.device)  # one per gather of a row
+    args = (logits, logits.stride(0), out, temperatures, top_k, top_p, min_p, seeds, positions, scratch, counters,
+            vocab)
+    config = dict(BLOCK=block, PIVOTS=PIVOTS, CAP=cap, MAX_PASSES=MAX_PASSES, num_warps=num_warps)
+    _sample_kernel[(batch,)](*args, **config)
+    _sample_wide_kernel[(batch,)](*args, **config)
     return out
 
 
@@ -330,16 +427,19 @@ def _logprob_stats_kernel(logits, stride, token_ids, out_logprob, out_rank, voca
     base = logits + row * stride
     token = tl.load(token_ids + row)
     chosen = tl.load(base + token).to(tl.float32)
-    row_max = tl.full([], float("-inf"), tl.float32)
-    mass = tl.full([], 0.0, tl.float32)
-    rank = tl.full([], 0, tl.int32)
-    for start in range(0, vocab, BLOCK):
+    lane_max = tl.full([BLOCK], float("-inf"), tl.float32)
+    lane_mass = tl.zeros([BLOCK], dtype=tl.float32)
+    lane_rank = tl.zeros([BLOCK], dtype=tl.int32)
+    for start in range(0, vocab, BLOCK):  # per-lane accumulators, reduced once (see _argmax_pass)
         x, _ = _load(base, start, vocab, BLOCK)
-        new_max = tl.maximum(row_max, tl.max(x, axis=0))
+        new_max = tl.maximum(lane_max, x)
         shift = tl.where(new_max > float("-inf"), new_max, 0.0)
-        mass = mass * tl.exp(row_max - shift) + tl.sum(tl.exp(x - shift), axis=0)
-        row_max = new_max
-        rank += tl.sum((x >= chosen).to(tl.int32), axis=0)
+        lane_mass = lane_mass * tl.exp(lane_max - shift) + tl.exp(x - shift)
+        lane_max = new_max
+        lane_rank += (x >= chosen).to(tl.int32)
+    row_max = tl.max(lane_max, axis=0)
+    mass = tl.sum(lane_mass * tl.exp(lane_max - tl.where(row_max > float("-inf"), row_max, 0.0)), axis=0)
+    rank = tl.sum(lane_rank, axis=0)
     tl.store(out_logprob + row, chosen - row_max - tl.log(mass))
     tl.store(out_rank + row, rank.to(tl.int64))
 

@@ -28,12 +28,13 @@ def build(fn, signature, constexprs, num_warps, aligned):
     assert kernel.asm["cubin"], fn.__name__
 
 sample_args = ["logits", "stride", "out", "temperatures", "top_k", "top_p", "min_p", "seeds", "positions",
-               "scratch", "vocab"]
+               "scratch", "counters", "vocab"]
 signature = dict(zip(sample_args, ["*bf16", "i32", "*i64", "*fp32", "*i64", "*fp32", "*fp32", "*i64", "*i64",
-                                   "*i64", "i32"]))
+                                   "*i64", "*i32", "i32"]))
 signature.update(BLOCK="constexpr", PIVOTS="constexpr", CAP="constexpr", MAX_PASSES="constexpr")
-build(S._sample_kernel, signature, {"BLOCK": S.DEFAULT_BLOCK, "PIVOTS": S.PIVOTS, "CAP": S.DEFAULT_CAP,
-                                    "MAX_PASSES": S.MAX_PASSES}, S.DEFAULT_WARPS, sample_args)
+for kernel in (S._sample_kernel, S._sample_wide_kernel):
+    build(kernel, signature, {"BLOCK": S.DEFAULT_BLOCK, "PIVOTS": S.PIVOTS, "CAP": S.DEFAULT_CAP,
+                              "MAX_PASSES": S.MAX_PASSES}, S.DEFAULT_WARPS, sample_args)
 stats_args = ["logits", "stride", "token_ids", "out_logprob", "out_rank", "vocab"]
 signature = dict(zip(stats_args, ["*bf16", "i32", "*i64", "*fp32", "*i64", "i32"]), BLOCK="constexpr")
 build(S._logprob_stats_kernel, signature, {"BLOCK": 4096}, 8, stats_args)
