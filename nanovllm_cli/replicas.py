@@ -394,6 +394,8 @@ class ReplicaPool:
             replica.send_end.close()
             replica.recv_end.close()
 
+    exit = close  # the name `LLM` gives it
+
     def __enter__(self) -> ReplicaPool:
         return self
 
