@@ -13,7 +13,7 @@ from typing import Annotated
 import typer
 
 from nanovllm_cli import options as o
-from nanovllm_cli.options import EngineOptions, with_engine_options
+from nanovllm_cli.options import EngineOptions, ExitCode, with_engine_options
 
 WORKLOAD = "Workload"
 SAMPLING = "Sampling"
@@ -247,7 +247,13 @@ def bench(
         for overlap in modes:
             label = "async" if overlap else "sync"
             if replicated:
-                results[label] = run_on_replicas(llm, workload, overlap, seed if warmup else None, sampling)
+                from nanovllm_cli.runner import JobFailed
+
+                try:
+                    results[label] = run_on_replicas(llm, workload, overlap, seed if warmup else None, sampling)
+                except JobFailed as exc:  # a replica died
+                    typer.echo(f"error: {exc}", err=True)
+                    raise typer.Exit(ExitCode.INTERNAL) from None
                 continue
             llm.set_async_scheduling(overlap)
             if warmup:

@@ -211,7 +211,7 @@ def run_job(source: LLM | ReplicaPool, rows: Iterable[RowRequest | RowError], ro
     except OSError as exc:
         raise o.fail(f"cannot write {output}: {exc.strerror or exc}") from None
     stats = RunStats(rows_total=rows_total)
-    display = ProgressDisplay(lambda: snapshot(stats, source.report()), quiet=quiet, log_interval=log_interval)
+    display = ProgressDisplay(lambda: snapshot(stats, source), quiet=quiet, log_interval=log_interval)
     engine = EngineFeeder(source) if isinstance(source, LLM) else source
     runner = BatchRunner(engine, writer, RecordBuilder(layout, source.info.model, fingerprints), stats,
                          window=window, reorder=reorder, skip_ids=skip_ids, on_step=display.tick,
@@ -245,10 +245,11 @@ def run_job(source: LLM | ReplicaPool, rows: Iterable[RowRequest | RowError], ro
     return code, {**build_summary(stats, source, output, layout, code), "rows_failed_before": failed_before}
 
 
-def snapshot(stats: RunStats, report: dict) -> Snapshot:
-    """The live figures from the engine's report (`LLM.report()`, or the replicas' merged one)."""
+def snapshot(stats: RunStats, source: LLM | ReplicaPool) -> Snapshot:
+    """The live figures from the engine's report (with replicas: their merged one, and each one's tok/s)."""
     from nanovllm_cli.display import Snapshot, eta_seconds
 
+    report = source.report()
     metrics = report["kv_cache"]
     elapsed = stats.elapsed_s
     generated = report["tokens"]["generated"]

@@ -160,7 +160,7 @@ def test_placement_on_gpus():
 def test_data_parallel_usage_errors_exit_2(tmp_path):
     path = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt_token_ids": [1, 2]}])
     result = invoke("run", path, "--model", "tiny-qwen3", "--data-parallel-size", 0)
-    assert result.exit_code == 2
+    assert result.exit_code == 2 and "--data-parallel-size must be at least 1, not 0" in result.stderr
     result = invoke("run", path, "--model", "no-such-model", "--data-parallel-size", 2)
     assert result.exit_code == 2 and "cannot load the model" in result.stderr
     result = invoke("bench", "--model", "tiny-qwen3", "--data-parallel-size", 2, "--structured", "json-schema",
