@@ -166,3 +166,36 @@ def test_data_parallel_usage_errors_exit_2(tmp_path):
     result = invoke("bench", "--model", "tiny-qwen3", "--data-parallel-size", 2, "--structured", "json-schema",
                     "--schema", path)
     assert result.exit_code == 2 and "drop --data-parallel-size" in result.stderr
+
+
+def test_a_replica_whose_engine_fails_in_a_step_reports_the_rows_of_that_step(monkeypatch):
+    """The replica's side, in this process: groups in, a failing step, then the rows of that step sent back as
+    failed (the parent gives them error records and ends the job) and the replica stops."""
+    import multiprocessing as mp
+
+    from nanovllm import LLM, SamplingParams
+    from nanovllm_cli.replicas import replica_main
+    from nanovllm_cli.rows import RowRequest
+
+    def broken_step(self):
+        raise RuntimeError("device on fire")
+
+    monkeypatch.setattr(LLM, "step", broken_step)
+    replica_in, to_replica = mp.Pipe(duplex=False)
+    parent_in, to_parent = mp.Pipe(duplex=False)
+    rows = [RowRequest(f"r{i}", f"line {i + 1}", "token_ids", [], SamplingParams(max_tokens=2), token_ids=[i + 1] * 3)
+            for i in range(3)]
+    to_replica.send(("groups", [[row] for row in rows]))
+    sigint = signal.getsignal(signal.SIGINT)
+    try:
+        replica_main("tiny-qwen3", {"max_num_seqs": 2}, replica_in, to_parent)
+    finally:
+        signal.signal(signal.SIGINT, sigint)
+        to_replica.close()  # the replica's inbox thread reads EOF and ends
+    messages = []
+    while parent_in.poll():
+        messages.append(parent_in.recv())
+    assert [m[0] for m in messages] == ["ready", "failed"]
+    _, error, problem, ids = messages[1]
+    assert ids == ["r0", "r1"]  # the two rows in the failed step (max_num_seqs 2); r2 was never admitted
+    assert "device on fire" in error and "line 1 (id 'r0')" in error and "device on fire" in problem
