@@ -222,6 +222,7 @@ class ReplicaPool:
         self.replicas: list[Replica] = []
         self.pending: deque[list[RowRequest]] = deque()  # groups not yet sent to a replica
         self.requests: dict[str, tuple[RowRequest, Replica]] = {}
+        self.failure: EngineFailure | ReplicaFailed | None = None  # to raise once the rows finished with it are out
         ctx = mp.get_context("spawn")
         try:
             for wave in range(max(p.wave for p in placements) + 1):
@@ -265,7 +266,7 @@ class ReplicaPool:
     # ---- the Engine interface -------------------------------------------------------------------------------------
 
     def wants_rows(self) -> bool:
-        return not self.pending and any(len(r.outstanding) < self.room for r in self.replicas)
+        return self.failure is None and not self.pending and any(len(r.outstanding) < self.room for r in self.replicas)
 
     def add(self, groups: list[PrefixGroup]) -> None:
         for group in groups:
@@ -274,23 +275,31 @@ class ReplicaPool:
         self._dispatch()
 
     def idle(self) -> bool:
-        return not self.pending and not self.requests
+        return self.failure is None and not self.pending and not self.requests
 
     def step(self) -> list[Finished]:
-        """Dispatch what fits, then the rows finished by any replica (waiting up to WAIT_S for one)."""
+        """Dispatch what fits, then the rows finished by any replica (waiting up to WAIT_S for one). A failure
+        met after other replicas' rows finished is raised by the next call, once those rows are written."""
+        if self.failure is not None:
+            raise self.failure
         self._dispatch()
         finished: list[Finished] = []
-        for replica, message in self._messages(self.replicas, WAIT_S):
-            kind = message[0]
-            if kind == "finished":
-                finished += [self._finish(replica, rid, result) for rid, result in message[1]]
-                replica.report = message[2] or replica.report
-            elif kind == "failed":
-                _, error, problem, ids = message
-                failed = [self._finish(replica, rid, problem)[0] for rid in ids]
-                raise EngineFailure(f"{replica.describe()}: {error}", problem, failed)
-            else:
-                raise ReplicaFailed(f"{replica.describe()} sent {kind!r} mid-job")
+        try:
+            for replica, message in self._messages(self.replicas, WAIT_S):
+                kind = message[0]
+                if kind == "finished":
+                    finished += [self._finish(replica, rid, result) for rid, result in message[1]]
+                    replica.report = message[2] or replica.report
+                elif kind == "failed":
+                    _, error, problem, ids = message
+                    failed = [self._finish(replica, rid, problem)[0] for rid in ids]
+                    raise EngineFailure(f"{replica.describe()}: {error}", problem, failed)
+                else:
+                    raise ReplicaFailed(f"{replica.describe()} sent {kind!r} mid-job")
+        except (EngineFailure, ReplicaFailed) as failure:
+            if not finished:
+                raise
+            self.failure = failure
         return finished
 
     # ---- helpers --------------------------------------------------------------------------------------------------
