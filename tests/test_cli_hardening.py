@@ -141,8 +141,8 @@ def test_the_lock_is_held_while_the_job_runs(tmp_path, monkeypatch):
         except Exception as exc:  # noqa: BLE001
             seen.append(str(exc))
 
-    monkeypatch.setattr(runner.BatchRunner, "_admit", lambda self, groups, _admit=runner.BatchRunner._admit: (
-        try_lock(), _admit(self, groups))[1])
+    monkeypatch.setattr(runner.EngineFeeder, "_admit", lambda self, _admit=runner.EngineFeeder._admit: (
+        try_lock(), _admit(self))[1])
     assert invoke(path, "-o", out).exit_code == 0
     assert seen and all("being written by another run" in s for s in seen)
 

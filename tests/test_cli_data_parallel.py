@@ -1,0 +1,201 @@
+"""Data parallelism (`--data-parallel-size`): replicas give the records one engine gives, rows sharing a prefix
+meet on one replica, a killed replica ends the job with exit 3 naming it and `--resume` finishes every id once;
+the placement rule on GPUs."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers import process_alive
+from typer.testing import CliRunner
+
+from nanovllm_cli.main import app
+from nanovllm_cli.replicas import PlacementError, plan_replicas
+
+NANOVLLM = Path(sys.executable).parent / "nanovllm"
+SAMPLE = Path(__file__).resolve().parent.parent / "samples" / "prompts.jsonl"
+
+
+def invoke(*args):
+    result = CliRunner().invoke(app, [str(a) for a in args])
+    assert "Traceback" not in result.stderr, result.stderr
+    return result
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def records(path):
+    return {r["id"]: r for r in map(json.loads, path.read_text().splitlines())}
+
+
+def shared_prefix_rows(groups, per_group, prefix_len=32):
+    """Rows in file order g0-0 g1-0 ... g0-1 g1-1 ...: each group shares a 2-block prefix, then its own tail (token
+    ids inside a tiny preset's vocabulary of 512)."""
+    return [{"id": f"g{group}-{member}",
+             "prompt_token_ids": [100 * (group + 1) + t for t in range(prefix_len)] + [400 + member] * 5}
+            for member in range(per_group) for group in range(groups)]
+
+
+def run_both(tmp_path, path, *args):
+    """The same job with one engine and with two replicas: their summaries and records."""
+    out = {}
+    for dp in (1, 2):
+        out[dp] = tmp_path / f"dp{dp}.jsonl"
+        result = invoke("run", path, "-o", out[dp], "--json", "-q", "--data-parallel-size", dp, *args)
+        assert result.exit_code == 0, result.stderr
+        out[dp] = (json.loads(result.stdout), records(out[dp]))
+    return out[1], out[2]
+
+
+def test_two_replicas_give_the_records_of_one_and_a_prefix_group_meets_on_one_replica(tmp_path):
+    rows = [{"id": f"u{i}", "prompt_token_ids": [i % 500 + 1] * (3 + i % 7)} for i in range(12)]
+    rows += shared_prefix_rows(groups=2, per_group=4)  # two groups of 4 rows sharing a 32-token (2-block) prefix
+    path = write_jsonl(tmp_path / "in.jsonl", rows)
+    (one, by_id), (two, by_id_dp) = run_both(tmp_path, path, "--model", "tiny-qwen3", "--max-tokens", 5,
+                                             "--include-token-ids")
+    assert by_id_dp == by_id and len(by_id) == len(rows)  # the same records, cached_tokens included
+    # Every follower hit its group's whole prefix: the group's rows ran on one replica, its leader first.
+    for group in range(2):
+        assert sorted(by_id[f"g{group}-{m}"]["cached_tokens"] for m in range(4)) == [0, 32, 32, 32]
+    assert two["cached_tokens"] == one["cached_tokens"] == 2 * 3 * 32
+    replicas = two["replicas"]
+    assert [r["index"] for r in replicas] == [0, 1] and two["data_parallel_size"] == 2
+    assert sum(r["rows"] for r in replicas) == len(rows) and all(r["rows"] > 0 for r in replicas)
+    assert sum(r["cached_tokens"] for r in replicas) == 2 * 3 * 32
+    assert sum(r["engine"]["requests"] for r in replicas) == len(rows)
+    assert two["engine"]["requests"] == len(rows) and two["kv_cache"]["prefix_cache"]["hit_tokens"] == 2 * 3 * 32
+    assert "replicas" not in one
+
+
+@pytest.mark.slow  # three loads of the embedded model (one engine, then two replicas)
+def test_two_replicas_on_the_embedded_model_give_the_records_of_one(tmp_path):
+    """The sample file (text and chat rows) on the embedded SmolLM2, tokenized once in the parent."""
+    (_, by_id), (two, by_id_dp) = run_both(tmp_path, SAMPLE, "--max-tokens", 3, "--include-token-ids")
+    assert by_id_dp == by_id and all(r["error"] is None for r in by_id.values())
+    assert sum(r["rows"] for r in two["replicas"]) == len(by_id)
+
+
+def replica_pids(parent: int) -> list[int]:
+    """The replica processes of a job: its spawned children (not multiprocessing's resource tracker)."""
+    children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
+    return [int(pid) for pid in children
+            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+
+
+def test_a_killed_replica_ends_the_job_with_exit_3_naming_it_and_resume_finishes(tmp_path):
+    n = 80
+    path = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt_token_ids": [i % 500 + 1] * (3 + i % 7)}
+                                               for i in range(n)])
+    out = tmp_path / "out.jsonl"
+    args = ["--model", "tiny-qwen3", "--max-tokens", "12", "--ignore-eos", "--data-parallel-size", "2"]
+    proc = subprocess.Popen([str(NANOVLLM), "run", str(path), "-o", str(out), *args, "--max-num-seqs", "1", "-q"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (out.exists() and out.read_bytes().count(b"\n") >= 4):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.01)
+    replicas = replica_pids(proc.pid)
+    assert len(replicas) == 2
+    victim = replicas[1]
+    os.kill(victim, signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 3, stderr
+    assert f"pid {victim}, CPU) died: killed by SIGKILL" in stderr and "--resume" in stderr
+    assert "Traceback" not in stderr
+    assert not any(process_alive(pid) for pid in replicas)  # the other replica was stopped too
+    written = out.read_text()
+    assert written.endswith("\n") and written.count("\n") < n  # whole records, the job really cut short
+    before = set(records(out))
+    result = invoke("run", path, "-o", out, *args, "--resume", "--json", "-q")
+    assert result.exit_code == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["rows_skipped"] == len(before) and summary["rows_ok"] == n - len(before)
+    lines = out.read_text().splitlines()
+    assert sorted(json.loads(line)["id"] for line in lines) == sorted(f"r{i}" for i in range(n))  # once each
+    assert all(json.loads(line)["completion_tokens"] == 12 for line in lines)
+
+
+def test_bench_spreads_the_workload_over_replicas(tmp_path):
+    result = invoke("bench", "--model", "tiny-qwen3", "--num-seqs", 12, "--input-len-range", 8, 24,
+                    "--output-len-range", 2, 6, "--data-parallel-size", 2, "--json")
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    stats = report["modes"]["sync"]
+    assert report["data_parallel_size"] == 2 and stats["rows_failed"] == 0
+    assert stats["requests"] == 12 and stats["output_tokens"] == report["workload"]["output_tokens"]
+    replicas = stats["replicas"]
+    assert len(replicas) == 2 and all(r["requests"] > 0 for r in replicas)
+    assert sum(r["output_tokens"] for r in replicas) == stats["output_tokens"]
+    assert stats["output_tok_s"] == pytest.approx(stats["output_tokens"] / stats["wall_s"])
+    assert all(r["wall_s"] <= stats["wall_s"] for r in replicas)  # the parent's clock spans every replica's steps
+
+
+def test_placement_on_gpus():
+    gpus = ["0", "1", "2", "3"]
+
+    def devices(size, tp, visible=gpus, utilization=None):
+        plan = plan_replicas(size, tp, True, visible, utilization)
+        return [(p.devices, p.gpu_memory_utilization, p.wave) for p in plan]
+
+    assert devices(2, 2) == [(("0", "1"), None, 0), (("2", "3"), None, 0)]
+    assert devices(4, 1, ["4", "6", "7", "9"], 0.8) == [((d,), 0.8, 0) for d in ("4", "6", "7", "9")]
+    # Two replicas on one GPU at 0.45 each (an engine's own share): the second starts after the first.
+    assert devices(2, 1, ["0"], 0.45) == [(("0",), 0.45, 0), (("0",), 0.45, 1)]
+    assert devices(3, 2, gpus, 0.3) == [(("0", "1"), 0.3, 0), (("2", "3"), 0.3, 0), (("0", "1"), 0.3, 1)]
+    with pytest.raises(PlacementError, match=r"2 x 0.9 = 1.80\): pass --gpu-memory-utilization 0.47"):
+        devices(2, 1, ["0"])
+    with pytest.raises(PlacementError, match="--tensor-parallel-size 2 needs 2 GPUs per replica; 1 visible"):
+        devices(2, 2, ["0"], 0.4)
+    cpu = plan_replicas(3, 1, False, [], None)
+    assert [p.devices for p in cpu] == [None] * 3 and all(dict(p.env)["OMP_NUM_THREADS"] for p in cpu)
+
+
+def test_data_parallel_usage_errors_exit_2(tmp_path):
+    path = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt_token_ids": [1, 2]}])
+    result = invoke("run", path, "--model", "tiny-qwen3", "--data-parallel-size", 0)
+    assert result.exit_code == 2 and "--data-parallel-size must be at least 1, not 0" in result.stderr
+    result = invoke("run", path, "--model", "no-such-model", "--data-parallel-size", 2)
+    assert result.exit_code == 2 and "cannot load the model" in result.stderr
+    result = invoke("bench", "--model", "tiny-qwen3", "--data-parallel-size", 2, "--structured", "json-schema",
+                    "--schema", path)
+    assert result.exit_code == 2 and "drop --data-parallel-size" in result.stderr
+
+
+def test_a_replica_whose_engine_fails_in_a_step_reports_the_rows_of_that_step(monkeypatch):
+    """The replica's side, in this process: groups in, a failing step, then the rows of that step sent back as
+    failed (the parent gives them error records and ends the job) and the replica stops."""
+    import multiprocessing as mp
+
+    from nanovllm import LLM, SamplingParams
+    from nanovllm_cli.replicas import replica_main
+    from nanovllm_cli.rows import RowRequest
+
+    def broken_step(self):
+        raise RuntimeError("device on fire")
+
+    monkeypatch.setattr(LLM, "step", broken_step)
+    replica_in, to_replica = mp.Pipe(duplex=False)
+    parent_in, to_parent = mp.Pipe(duplex=False)
+    rows = [RowRequest(f"r{i}", f"line {i + 1}", "token_ids", [], SamplingParams(max_tokens=2), token_ids=[i + 1] * 3)
+            for i in range(3)]
+    to_replica.send(("groups", [[row] for row in rows]))
+    sigint = signal.getsignal(signal.SIGINT)
+    try:
+        replica_main("tiny-qwen3", {"max_num_seqs": 2}, replica_in, to_parent)
+    finally:
+        signal.signal(signal.SIGINT, sigint)
+        to_replica.close()  # the replica's inbox thread reads EOF and ends
+    messages = []
+    while parent_in.poll():
+        messages.append(parent_in.recv())
+    assert [m[0] for m in messages] == ["ready", "failed"]
+    _, error, problem, ids = messages[1]
+    assert ids == ["r0", "r1"]  # the two rows in the failed step (max_num_seqs 2); r2 was never admitted
+    assert "device on fire" in error and "line 1 (id 'r0')" in error and "device on fire" in problem
