@@ -6,6 +6,7 @@ KV block is read once per step (GQA). With `num_splits > 1` the context is cut i
 every shape follows from the inputs' shapes and `num_splits`, so the call can be captured in a CUDA graph.
 A sliding window only moves the start of the context range (the one query sees the last `window` positions);
 soft-capping bounds the scores. Both are compile-time switches: without them the kernel is unchanged.
+An FP8 cache is read as FP8 and converted in registers (paged_tile.py); its V scale multiplies the output.
 """
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ All keys are read from the paged cache, so the step's K/V must be stored first. 
 so a KV tile is read once for the whole group (GQA) and short chunks (decodes in a mixed batch) still fill rows.
 A sliding window (a layer's last `window` positions) starts the key loop at the tile's first visible key and masks
 per row; soft-capping bounds the scores. Both are compile-time switches: without them the kernel is unchanged.
+An FP8 cache is read as FP8 and converted in registers (paged_tile.py); its V scale multiplies the output.
 """
 from __future__ import annotations
 
