@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from nanovllm.attention.kv_quant import KV_CACHE_DTYPES, resolve_kv_cache_dtype
+
 _DTYPES = {"auto", "float32", "float16", "bfloat16"}
 _LOAD_FORMATS = {"auto", "dummy"}
 _ATTENTION_BACKENDS = {None, "torch", "triton", "flash-attn"}
@@ -15,6 +17,7 @@ class EngineConfig:
     """Engine arguments, named as in vLLM. `LLM(**kwargs)` builds one through `from_kwargs`."""
 
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8" (= "fp8_e4m3") or "fp8_e5m2" (docs/FP8.md)
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
@@ -55,6 +58,7 @@ class EngineConfig:
             check(isinstance(value, int) and not isinstance(value, bool) and value > 0, name, "must be a positive integer")
 
         check(self.dtype in _DTYPES, "dtype", f"must be one of {sorted(_DTYPES)}")
+        check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", f"must be one of {list(KV_CACHE_DTYPES)}")
         positive_int("max_model_len", optional=True)
         positive_int("max_num_seqs")
         positive_int("max_num_batched_tokens")
@@ -83,3 +87,7 @@ class EngineConfig:
             return getattr(torch, self.dtype)
         # fp32 on the CPU: it is the reference path, and CPU bf16 matmuls are slow.
         return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+    def resolve_kv_cache_dtype(self, device: torch.device) -> torch.dtype:
+        """The KV cache's element type on `device` (the model's dtype for "auto")."""
+        return resolve_kv_cache_dtype(self.kv_cache_dtype, self.resolve_dtype(device))

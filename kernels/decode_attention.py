@@ -6,6 +6,7 @@ KV block is read once per step (GQA). With `num_splits > 1` the context is cut i
 every shape follows from the inputs' shapes and `num_splits`, so the call can be captured in a CUDA graph.
 A sliding window only moves the start of the context range (the one query sees the last `window` positions);
 soft-capping bounds the scores. Both are compile-time switches: without them the kernel is unchanged.
+An FP8 cache is read as FP8 and converted in registers (paged_tile.py); its V scale multiplies the output.
 """
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ WIDE_HEAD_DECODE = DecodeConfig(block_n=32)  # Gemma's 256-wide heads: half the 
 
 
 @triton.jit
-def _decode_kernel(q, k_cache, v_cache, out, part_out, part_lse, block_tables, seq_lens, qk_scale, window, softcap,
+def _decode_kernel(q, k_cache, v_cache, out, part_out, part_lse, block_tables, seq_lens, qk_scale, v_scale, window,
+                   softcap,
                    stride_qb, stride_qh, stride_ob, stride_oh,
                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
                    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
@@ -68,7 +70,7 @@ def _decode_kernel(q, k_cache, v_cache, out, part_out, part_lse, block_tables, s
             block_tables + seq * stride_bt, n, end, offs_h, qk_scale, stride_kb, stride_ks, stride_vb, stride_vs,
             window, softcap, PAGE=PAGE, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, CAUSAL=False, SOFTCAP=SOFTCAP)
     # An empty range (seq_len 0, or a split past the end) has l_i = 0 and acc = 0: it yields zeros, not NaN.
-    result = acc / tl.maximum(l_i, 1e-30)[:, None]
+    result = acc / tl.maximum(l_i, 1e-30)[:, None] * v_scale
     if SPLIT:
         rows = (seq * tl.num_programs(1) * GROUP + heads) * num_splits + split  # part_* are [B, H, S(, D)]
         tl.store(part_out + rows[:, None] * HEAD_DIM + offs_d[None, :], result, mask=head_ok[:, None])
@@ -109,11 +111,13 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, num_splits: int,
                            out: torch.Tensor | None = None, config: DecodeConfig | None = None,
-                           window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                           window: int | None = None, softcap: float | None = None, k_scale: float = 1.0,
+                           v_scale: float = 1.0) -> torch.Tensor:
     """q: [batch, num_heads, head_dim], one new token per sequence (already stored in the cache);
-    k_cache/v_cache: [num_blocks, block_size, num_kv_heads, head_dim]; block_tables: [batch, max_blocks] int32;
-    seq_lens: [batch] int32 (0 is allowed: that row's output is zeros). window: the token sees only the last
-    `window` positions; softcap: scores cap * tanh(s / cap). Returns [batch, num_heads, head_dim]."""
+    k_cache/v_cache: [num_blocks, block_size, num_kv_heads, head_dim], of q's type or FP8 (then k_scale / v_scale
+    are its scales); block_tables: [batch, max_blocks] int32; seq_lens: [batch] int32 (0 is allowed: that row's
+    output is zeros). window: the token sees only the last `window` positions; softcap: scores cap * tanh(s / cap).
+    Returns [batch, num_heads, head_dim]."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
     assert num_heads % num_kv_heads == 0 and q.stride(-1) == 1 and k_cache.stride(-1) == v_cache.stride(-1) == 1
@@ -125,9 +129,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # not read: the kernel writes `out` directly
-    qk_scale, softcap_log2 = score_scales(scale, softcap)
+    qk_scale, softcap_log2 = score_scales(scale, softcap, k_scale)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, out, part_out, part_lse, block_tables, seq_lens, qk_scale, window or 0, softcap_log2,
+        q, k_cache, v_cache, out, part_out, part_lse, block_tables, seq_lens, qk_scale, v_scale, window or 0,
+        softcap_log2,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),

@@ -7,11 +7,12 @@ import triton
 import triton.language as tl
 
 
-def score_scales(scale: float, softcap: float | None) -> tuple[float, float]:
-    """(qk_scale, softcap) arguments of attend_paged_tile for softmax scale `scale` and an optional logit cap."""
+def score_scales(scale: float, softcap: float | None, k_scale: float = 1.0) -> tuple[float, float]:
+    """(qk_scale, softcap) arguments of attend_paged_tile for softmax scale `scale`, an optional logit cap and the
+    K scale of an FP8 cache (q.k of the stored keys times k_scale is q.k of the real ones)."""
     if softcap is None:
-        return scale * math.log2(math.e), 0.0
-    return scale / softcap, softcap * math.log2(math.e)
+        return scale * k_scale * math.log2(math.e), 0.0
+    return scale * k_scale / softcap, softcap * math.log2(math.e)
 
 
 @triton.jit
@@ -23,6 +24,8 @@ def attend_paged_tile(q, acc, m_i, l_i, k_head, v_head, table_row, start, kv_end
 
     q: [M, HEAD_DIM]; acc: [M, HEAD_DIM] fp32; m_i, l_i: [M] fp32 running max (log2 units) and sum.
     k_head/v_head point at one KV head of the caches; table_row at the sequence's block-table row.
+    The caches may be of q's type or FP8 (read as q's type); an FP8 cache's K scale is folded into qk_scale and its
+    V scale is the caller's to apply to the output (acc / l_i * v_scale): see score_scales.
     Scores are in log2 units: without SOFTCAP s = q.k * qk_scale with qk_scale = scale * log2(e). SOFTCAP (Gemma 2's
     attention soft-capping, cap * tanh(q.k * scale / cap)): qk_scale = scale / cap and softcap = cap * log2(e).
     CAUSAL: row r sees only keys at positions <= q_pos[r]. WINDOW: row r sees only keys at positions
@@ -43,6 +46,8 @@ def attend_paged_tile(q, acc, m_i, l_i, k_head, v_head, table_row, start, kv_end
     # V is requested with K, before the softmax needs it: both tiles are in flight at once.
     v = tl.load(v_head + (block * stride_vb + offset * stride_vs)[:, None] + offs_d[None, :],
                 mask=in_range[:, None], other=0.0)
+    # An FP8 cache is dequantized here, in registers: its scales are in qk_scale and the caller's output scale.
+    k, v = k.to(q.dtype), v.to(q.dtype)
     if SOFTCAP:
         # qk_scale = scale / softcap here; tanh(x) = 1 - 2 / (e^(2x) + 1) saturates to +-1 without NaN.
         x = tl.dot(q, tl.trans(k)) * qk_scale
@@ -61,5 +66,5 @@ def attend_paged_tile(q, acc, m_i, l_i, k_head, v_head, table_row, start, kv_end
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_sub)
     p = tl.exp2(s - m_sub[:, None])
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
     return acc, m_new, l_i * alpha + tl.sum(p, 1)

@@ -6,6 +6,7 @@ All keys are read from the paged cache, so the step's K/V must be stored first. 
 so a KV tile is read once for the whole group (GQA) and short chunks (decodes in a mixed batch) still fill rows.
 A sliding window (a layer's last `window` positions) starts the key loop at the tile's first visible key and masks
 per row; soft-capping bounds the scores. Both are compile-time switches: without them the kernel is unchanged.
+An FP8 cache is read as FP8 and converted in registers (paged_tile.py); its V scale multiplies the output.
 """
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ WIDE_HEAD_PREFILL = PrefillConfig(block_m=64, block_n=32, num_warps=8, num_stage
 
 
 @triton.jit
-def _prefill_kernel(q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, qk_scale, window, softcap,
+def _prefill_kernel(q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, qk_scale, v_scale, window,
+                    softcap,
                     stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
@@ -80,7 +82,7 @@ def _prefill_kernel(q, k_cache, v_cache, out, block_tables, seq_lens, query_star
             query, acc, m_i, l_i, k_head, v_head, table_row, n, kv_end, q_pos, qk_scale,
             stride_kb, stride_ks, stride_vb, stride_vs, window, softcap, PAGE=PAGE, BLOCK_N=BLOCK_N,
             HEAD_DIM=HEAD_DIM, CAUSAL=True, WINDOW=WINDOW, SOFTCAP=SOFTCAP)
-    result = acc / l_i[:, None]
+    result = acc / l_i[:, None] * v_scale
     tl.store(out + (q_start + tok)[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
              result.to(out.dtype.element_ty), mask=row_ok[:, None])
 
@@ -89,10 +91,12 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                             max_query_len: int, scale: float, out: torch.Tensor | None = None,
                             config: PrefillConfig | None = None, window: int | None = None,
-                            softcap: float | None = None) -> torch.Tensor:
+                            softcap: float | None = None, k_scale: float = 1.0,
+                            v_scale: float = 1.0) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim], sequence i's new tokens at rows query_start_loc[i]:[i+1] and at the
     last positions of its seq_lens[i]-token context; k_cache/v_cache: [num_blocks, block_size, num_kv_heads,
-    head_dim] already holding every position < seq_lens[i]. max_query_len (host int) sizes the grid.
+    head_dim] already holding every position < seq_lens[i], of q's type or FP8 (then k_scale / v_scale are its
+    scales). max_query_len (host int) sizes the grid.
     window: a token sees only the last `window` positions up to its own; softcap: scores cap * tanh(s / cap).
     Returns [num_tokens, num_heads, head_dim]."""
     num_heads, head_dim = q.shape[1:]
@@ -104,9 +108,10 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     out = torch.empty_like(q) if out is None else out
     batch = seq_lens.shape[0]
     tokens_per_tile = config.block_m // group
-    qk_scale, softcap_log2 = score_scales(scale, softcap)
+    qk_scale, softcap_log2 = score_scales(scale, softcap, k_scale)
     _prefill_kernel[(triton.cdiv(max_query_len, tokens_per_tile), num_kv_heads, batch)](
-        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, qk_scale, window or 0, softcap_log2,
+        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, qk_scale, v_scale, window or 0,
+        softcap_log2,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),

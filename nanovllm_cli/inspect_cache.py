@@ -11,8 +11,8 @@ from nanovllm_cli import options as o
 from nanovllm_cli.options import EngineOptions, with_engine_options
 
 
-@with_engine_options("model", "block_size", "kv_cache_gib", "gpu_memory_utilization", "dtype", "device",
-                     "max_model_len")
+@with_engine_options("model", "block_size", "kv_cache_gib", "gpu_memory_utilization", "dtype", "kv_cache_dtype",
+                     "device", "max_model_len")
 def inspect_cache(
     input_path: Annotated[Path, typer.Argument(
         metavar="INPUT", help="Rows, as for `run`: .jsonl or .parquet.", exists=True, dir_okay=False,
@@ -50,7 +50,8 @@ def inspect_cache(
         raise o.fail(str(exc)) from None
 
     prompts, limit = plan.prompts, plan.max_model_len
-    memory = {"block_size": plan.block_size, "dtype_bytes": plan.dtype_bytes, "bytes_per_block": plan.bytes_per_block,
+    memory = {"block_size": plan.block_size, "kv_cache_dtype": plan.kv_cache_dtype, "dtype_bytes": plan.dtype_bytes,
+              "bytes_per_block": plan.bytes_per_block,
               "num_blocks": plan.num_blocks, "num_blocks_source": plan.num_blocks_source,
               "cache_bytes": plan.cache_bytes}
     parser = RowParser({}, 0, "row" if fmt == "parquet" else "line")
@@ -101,7 +102,8 @@ def print_report(report: dict) -> None:
         ("prompt tokens (min / mean / max)",
          (f"{report['prompt_tokens']:,} ({report['prompt_tokens_min']} / {report['prompt_tokens_mean']:.1f} / "
           f"{report['prompt_tokens_max']})")),
-        ("block size / bytes per block", f"{report['block_size']} / {report['bytes_per_block']:,}"),
+        ("block size / bytes per block",
+         f"{report['block_size']} / {report['bytes_per_block']:,} ({report['kv_cache_dtype']})"),
         ("cache", f"{report['num_blocks']:,} blocks = {gib:.2f} GiB ({report['num_blocks_source']})"),
         ("blocks needed (no sharing)", f"{report['blocks_needed']:,}"),
         ("unique / shared blocks", f"{report['unique_blocks']:,} / {report['shared_blocks']:,}"),

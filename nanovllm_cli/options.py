@@ -36,6 +36,10 @@ class EngineOptions:
         "Default: the embedded SmolLM2-135M-Instruct.", rich_help_panel=ENGINE)] = None
     dtype: Annotated[str | None, typer.Option(
         help="auto | float32 | float16 | bfloat16 (auto: bf16 on GPU, fp32 on CPU).", rich_help_panel=ENGINE)] = None
+    kv_cache_dtype: Annotated[str | None, typer.Option(
+        help="auto | fp8 | fp8_e4m3 | fp8_e5m2: the KV cache's element type (auto: the model's dtype; fp8 = "
+        "e4m3, half of bf16's bytes per block; GPU compute capability >= 8.9, or the CPU reference path).",
+        rich_help_panel=ENGINE)] = None
     max_model_len: Annotated[int | None, typer.Option(
         help="Longest prompt + output, in tokens (default: the model's limit).", rich_help_panel=ENGINE)] = None
     max_num_seqs: Annotated[int | None, typer.Option(
@@ -81,7 +85,8 @@ class EngineOptions:
             raise ValueError(f"--data-parallel-size must be at least 1, not {self.data_parallel_size}")
         if self.kv_cache_gib is not None and not (math.isfinite(self.kv_cache_gib) and self.kv_cache_gib > 0):
             raise ValueError(f"--kv-cache-gib must be a positive number of GiB, not {self.kv_cache_gib}")
-        args = {"dtype": self.dtype, "max_model_len": self.max_model_len, "max_num_seqs": self.max_num_seqs,
+        args = {"dtype": self.dtype, "kv_cache_dtype": self.kv_cache_dtype, "max_model_len": self.max_model_len,
+                "max_num_seqs": self.max_num_seqs,
                 "max_num_batched_tokens": self.max_num_batched_tokens,
                 "gpu_memory_utilization": self.gpu_memory_utilization,
                 "tensor_parallel_size": self.tensor_parallel_size, "load_format": self.load_format,

@@ -13,6 +13,7 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
+from nanovllm.attention.kv_quant import dequantize, is_fp8, quantize
 from nanovllm.attention.metadata import AttentionMetadata
 from nanovllm.attention.torch_backend import TorchAttentionBackend, paged_attention
 from nanovllm.attention.triton_backend import TritonAttentionBackend
@@ -39,11 +40,15 @@ class Batch:
     Block ids are shuffled from a pool twice the size needed (holes between sequences); every cache slot that no
     sequence holds is NaN, so a kernel that reads or leaves one shows it. `share`: sequence 1's first full cached
     blocks are sequence 0's. `recompute`: sequences whose one new token is already in the cache (a fully cached
-    prompt recomputes its last token): its slot is -1, and the K/V passed for it differ from the cached ones."""
+    prompt recomputes its last token): its slot is -1, and the K/V passed for it differ from the cached ones.
+    `kv_dtype`: the caches' type when it is not `dtype` (FP8, with scales `k_scale` / `v_scale`)."""
 
     def __init__(self, lens: list[tuple[int, int]], block_size: int, num_heads: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, seed: int, share: bool = False, recompute: tuple[int, ...] = ()):
+                 head_dim: int, dtype: torch.dtype, seed: int, share: bool = False, recompute: tuple[int, ...] = (),
+                 kv_dtype: torch.dtype | None = None, k_scale: float = 1.0, v_scale: float = 1.0):
         gen = torch.Generator().manual_seed(seed)
+        kv_dtype = kv_dtype or dtype
+        self.k_scale, self.v_scale = k_scale, v_scale
 
         def randn(*shape):
             return torch.randn(*shape, generator=gen).to(dtype)
@@ -62,9 +67,6 @@ class Batch:
             block_tables[i, :len(table)] = torch.tensor(table, dtype=torch.int32)
 
         cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.k_cache = torch.full(cache_shape, float("nan"), dtype=dtype)
-        self.v_cache = torch.full(cache_shape, float("nan"), dtype=dtype)
-        flat_k, flat_v = self.k_cache.view(-1, num_kv_heads, head_dim), self.v_cache.view(-1, num_kv_heads, head_dim)
         cached_slots, slots = [], []
         for i, ((cached, new), table) in enumerate(zip(lens, tables)):
             seq_slots = [table[p // block_size] * block_size + p % block_size for p in range(cached + new)]
@@ -74,8 +76,15 @@ class Batch:
                 slots.append(-1)
             else:
                 slots += seq_slots[cached:]
-        flat_k[cached_slots] = randn(len(cached_slots), num_kv_heads, head_dim)
-        flat_v[cached_slots] = randn(len(cached_slots), num_kv_heads, head_dim)
+        # The cached values before rounding (fp32; shared blocks are written twice, the exact and the quantized
+        # cache must keep the same write), then the caches of kv_dtype made from them.
+        self.exact_caches = []
+        for _ in range(2):
+            exact = torch.full(cache_shape, float("nan"))
+            exact.view(-1, num_kv_heads, head_dim)[cached_slots] = randn(len(cached_slots), num_kv_heads, head_dim).float()
+            self.exact_caches.append(exact)
+        self.k_cache = quantize(self.exact_caches[0], k_scale, kv_dtype)
+        self.v_cache = quantize(self.exact_caches[1], v_scale, kv_dtype)
         num_tokens = len(slots)
         # q/k/v as views of one projection, like the model's, so the kernels see their real strides.
         qkv = randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim)
@@ -83,6 +92,9 @@ class Batch:
         self.q = q.view(num_tokens, num_heads, head_dim)
         self.k = k.view(num_tokens, num_kv_heads, head_dim)
         self.v = v.view(num_tokens, num_kv_heads, head_dim)
+        if is_fp8(kv_dtype) and DEVICE.type == "cpu":  # values the interpreter's FP8 cast stores exactly
+            self.k.copy_(dequantize(quantize(self.k, k_scale, kv_dtype), k_scale))
+            self.v.copy_(dequantize(quantize(self.v, v_scale, kv_dtype), v_scale))
         query_start = [0]
         for _, new in lens:
             query_start.append(query_start[-1] + new)
@@ -104,19 +116,31 @@ class Batch:
         for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
             setattr(meta, name, getattr(meta, name).to(device))
 
-    def reference(self, window: int | None = None, softcap: float | None = None
+    @property
+    def scales(self) -> dict[str, float]:
+        return {"k_scale": self.k_scale, "v_scale": self.v_scale}
+
+    def reference(self, window: int | None = None, softcap: float | None = None, quantized: bool = True
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """fp32 output and caches of the torch backend on upcast copies of the inputs."""
-        k_cache, v_cache = self.k_cache.float(), self.v_cache.float()
+        """fp32 output and caches of the torch backend on upcast copies of the inputs; an FP8 cache stays FP8
+        (quantized on store, dequantized to fp32 on read) unless `quantized` is False (then the step's new K/V
+        are not rounded: the exact attention over the cached values)."""
+        scales = {}
+        if not is_fp8(self.k_cache.dtype):
+            k_cache, v_cache = self.k_cache.float(), self.v_cache.float()
+        elif quantized:
+            k_cache, v_cache, scales = self.k_cache.clone(), self.v_cache.clone(), self.scales
+        else:
+            k_cache, v_cache = (c.to(DEVICE, copy=True) for c in self.exact_caches)
         out = TorchAttentionBackend().forward(self.q.float(), self.k.float(), self.v.float(), k_cache, v_cache,
-                                              self.meta, self.scale, window=window, softcap=softcap)
+                                              self.meta, self.scale, window=window, softcap=softcap, **scales)
         return out, k_cache, v_cache
 
     def store(self, ref_k_cache: torch.Tensor, ref_v_cache: torch.Tensor) -> None:
         """Our store kernel; the caches must then equal the reference's bit for bit, NaN where nothing wrote."""
-        store_kvcache(self.k, self.v, self.k_cache, self.v_cache, self.meta.slot_mapping)
-        torch.testing.assert_close(self.k_cache.float(), ref_k_cache, rtol=0, atol=0, equal_nan=True)
-        torch.testing.assert_close(self.v_cache.float(), ref_v_cache, rtol=0, atol=0, equal_nan=True)
+        store_kvcache(self.k, self.v, self.k_cache, self.v_cache, self.meta.slot_mapping, **self.scales)
+        torch.testing.assert_close(self.k_cache.float(), ref_k_cache.float(), rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(self.v_cache.float(), ref_v_cache.float(), rtol=0, atol=0, equal_nan=True)
 
 
 def assert_matches(out: torch.Tensor, ref: torch.Tensor) -> None:
@@ -125,7 +149,7 @@ def assert_matches(out: torch.Tensor, ref: torch.Tensor) -> None:
     assert error <= TOLERANCE[out.dtype], f"relative error {error:.2e} > {TOLERANCE[out.dtype]:.0e}"
 
 
-def run_prefill(batch: Batch, config: PrefillConfig | None = None, **limits) -> None:
+def run_prefill(batch: Batch, config: PrefillConfig | None = None, **limits) -> torch.Tensor:
     """`limits`: window / softcap, given to the reference and the kernel alike."""
     ref, ref_k, ref_v = batch.reference(**limits)
     if limits:  # the case must exercise them: without, the reference differs
@@ -134,19 +158,22 @@ def run_prefill(batch: Batch, config: PrefillConfig | None = None, **limits) -> 
     out = torch.full_like(batch.q, float("nan"))
     meta = batch.meta
     paged_prefill_attention(batch.q, batch.k_cache, batch.v_cache, meta.query_start_loc, meta.seq_lens,
-                            meta.block_tables, meta.max_query_len, batch.scale, out=out, config=config, **limits)
+                            meta.block_tables, meta.max_query_len, batch.scale, out=out, config=config, **limits,
+                            **batch.scales)
     assert_matches(out, ref)
+    return out
 
 
-def run_decode(batch: Batch, num_splits: int, config: DecodeConfig | None = None, **limits) -> None:
+def run_decode(batch: Batch, num_splits: int, config: DecodeConfig | None = None, **limits) -> torch.Tensor:
     ref, ref_k, ref_v = batch.reference(**limits)
     if limits:  # the case must exercise them: without, the reference differs
         assert (batch.reference()[0] - ref).abs().nan_to_num(1.0).max() > 1e-2  # NaN: it read a dropped block
     batch.store(ref_k, ref_v)
     out = torch.full_like(batch.q, float("nan"))
     paged_decode_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta.block_tables, batch.meta.seq_lens,
-                           batch.scale, num_splits, out=out, config=config, **limits)
+                           batch.scale, num_splits, out=out, config=config, **limits, **batch.scales)
     assert_matches(out, ref)
+    return out
 
 
 # ---- CPU (interpreter) and GPU: small shapes ------------------------------------------------------------------
@@ -306,6 +333,92 @@ def test_choose_num_splits():
     assert choose_num_splits(4, 8, 100, 132) == 1
 
 
+# ---- FP8 caches ----------------------------------------------------------------------------------------------------
+# The kernels read FP8 K/V converted to q's type in registers (exact: every FP8 value is a 16-bit float), with the K
+# scale folded into the softmax scale and the V scale applied to the output; the reference dequantizes to fp32. Both
+# see the same FP8 values, so they agree within q's type's TOLERANCE. Against exact attention over the values before
+# rounding the error is the quantization's own, bounded by FP8_ATTENTION_ERROR (relative L2 on N(0, 1) inputs; about
+# 0.017 for e4m3 and 0.034 for e5m2 here: docs/FP8.md).
+# Triton's interpreter rounds wrongly when it casts to FP8 (a mantissa carry is lost: 1.97 -> 1.0; ties do not go to
+# even) and reads FP8 NaN/inf bit patterns as numbers: on the CPU the step's new K/V are snapped to values the cast
+# stores exactly (Batch) and the scales are powers of two; on a GPU (hardware cvt.rn.satfinite) the store is checked
+# bit for bit on arbitrary values with scales that are not powers of two.
+
+FP8_DTYPES = [pytest.param(torch.float8_e4m3fn, id="e4m3"), pytest.param(torch.float8_e5m2, id="e5m2")]
+FP8_ATTENTION_ERROR = {torch.float8_e4m3fn: 0.035, torch.float8_e5m2: 0.07}
+FP8_SCALES = dict(k_scale=0.5, v_scale=2.0) if DEVICE.type == "cpu" else dict(k_scale=0.37, v_scale=1.7)
+
+
+def assert_quantization_error(batch: Batch, out: torch.Tensor, **limits) -> None:
+    exact = batch.reference(**limits, quantized=False)[0]
+    error = ((out.float() - exact).norm() / exact.norm()).item()
+    bound = FP8_ATTENTION_ERROR[batch.k_cache.dtype]
+    assert 0 < error <= bound, f"relative error against exact attention {error:.3f} not in (0, {bound}]"
+
+
+@pytest.mark.parametrize("kv_dtype", FP8_DTYPES)
+def test_fp8_store_quantizes_and_saturates(kv_dtype):
+    """The store kernel's FP8 caches equal the reference's bit for bit (x / scale rounded to nearest), values
+    past the type's range saturate to its largest finite value (no NaN, no inf), -1 slots are skipped."""
+    batch = Batch([(5, 9), (16, 1), (0, 3)], 8, 6, 3, 64, torch.float32, seed=21, recompute=(1,), kv_dtype=kv_dtype,
+                  **FP8_SCALES)
+    batch.meta.slot_mapping[2] = -1
+    batch.k[0] *= 1e6  # far past e5m2's 57344 x scale too
+    batch.v[3, 0] = -1e6
+    _, ref_k, ref_v = batch.reference()
+    batch.store(ref_k, ref_v)
+    bound = torch.finfo(kv_dtype).max
+    flat_k = batch.k_cache.view(-1, *batch.k_cache.shape[2:]).float()
+    flat_v = batch.v_cache.view(-1, *batch.v_cache.shape[2:]).float()
+    slot = batch.meta.slot_mapping[0]
+    assert flat_k[slot].abs().max() == bound and flat_k[slot].isfinite().all()
+    assert (flat_v[batch.meta.slot_mapping[3], 0] == -bound).all()
+
+
+@pytest.mark.parametrize("kv_dtype", FP8_DTYPES)
+@pytest.mark.parametrize(("block_size", "num_heads", "num_kv_heads", "head_dim", "dtype"), [
+    pytest.param(16, 6, 2, 64, torch.float32, id="bs16-gqa3-d64-fp32"),
+    pytest.param(32, 4, 2, 128, torch.float16, id="bs32-gqa2-d128-fp16")])
+def test_fp8_prefill(kv_dtype, block_size, num_heads, num_kv_heads, head_dim, dtype):
+    lens = [(block_size + 7, 20), (block_size + 3, 27), (2 * block_size, 1), (0, 37)]
+    batch = Batch(lens, block_size, num_heads, num_kv_heads, head_dim, dtype, seed=22, share=True, recompute=(2,),
+                  kv_dtype=kv_dtype, **FP8_SCALES)
+    assert_quantization_error(batch, run_prefill(batch, SMALL_PREFILL))
+
+
+@pytest.mark.parametrize("kv_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_fp8_decode(kv_dtype, num_splits):
+    lens = [(53, 1), (31, 1), (0, 1), (16, 1), (70, 1)]
+    batch = Batch(lens, 16, 4, 2, 64, torch.float16, seed=23, share=True, kv_dtype=kv_dtype, **FP8_SCALES)
+    assert_quantization_error(batch, run_decode(batch, num_splits, SMALL_DECODE))
+
+
+@pytest.mark.parametrize("kernel", ["prefill", "decode"])
+def test_fp8_window_softcap(kernel):
+    limits = dict(window=7, softcap=5.0)
+    if kernel == "prefill":
+        batch = Batch([(23, 20), (45, 19), (0, 37)], 16, 6, 2, 64, torch.float32, seed=24,
+                      kv_dtype=torch.float8_e4m3fn, **FP8_SCALES)
+        out = run_prefill(batch, SMALL_PREFILL, **limits)
+    else:
+        batch = Batch([(53, 1), (5, 1), (70, 1)], 16, 4, 2, 64, torch.float32, seed=25,
+                      kv_dtype=torch.float8_e4m3fn, **FP8_SCALES)
+        out = run_decode(batch, 3, SMALL_DECODE, **limits)
+    assert_quantization_error(batch, out, **limits)
+
+
+def test_fp8_backend_routes_scales():
+    """The Triton backend passes a layer's scales to the store and both kernels."""
+    backend = TritonAttentionBackend(DEVICE)
+    for lens, seed in (([(10, 30), (0, 5)], 26), ([(50, 1), (7, 1)], 27)):
+        batch = Batch(lens, 16, 4, 2, 64, torch.float16, seed=seed, kv_dtype=torch.float8_e4m3fn, **FP8_SCALES)
+        batch.meta.decode_num_splits = backend.decode_num_splits(2, batch.meta.max_seq_len, 2)
+        ref, _, _ = batch.reference()
+        assert_matches(backend.forward(batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta,
+                                       batch.scale, **batch.scales), ref)
+
+
 # ---- GPU: real shapes -------------------------------------------------------------------------------------------
 
 QWEN3_06B = (16, 8, 128)  # query heads, KV heads, head dim
@@ -385,3 +498,24 @@ def test_gpu_window_softcap_real_shapes(kernel, heads, limits):
         batch = Batch([(n - 1, 1) for n in context], 16, *heads, torch.bfloat16, seed=17, share=True)
         for num_splits in (1, 8):
             run_decode(batch, num_splits, **limits)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("kernel", ["prefill", "decode"])
+def test_gpu_fp8_real_shapes(kernel, block_size, kv_dtype):
+    """FP8 caches under bf16 queries at Qwen3's shape: the same as the dequantizing reference, and within the
+    quantization's bound of exact attention."""
+    if kernel == "prefill":
+        lens = [(3000, 1500), (block_size * 7 + 3, 2048), (0, 1024), (1000, 1), (0, 2000)]
+        batch = Batch(lens, block_size, *QWEN3_06B, torch.bfloat16, seed=28, share=True, kv_dtype=kv_dtype,
+                      **FP8_SCALES)
+        assert_quantization_error(batch, run_prefill(batch))
+    else:
+        context = [4000, 3000] + torch.randint(1, 4096, (62,), generator=torch.Generator().manual_seed(2)).tolist()
+        batch = Batch([(n - 1, 1) for n in context], block_size, *QWEN3_06B, torch.bfloat16, seed=29, share=True,
+                      kv_dtype=kv_dtype, **FP8_SCALES)
+        for num_splits in (1, 8):
+            assert_quantization_error(batch, run_decode(batch, num_splits))

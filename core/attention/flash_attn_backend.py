@@ -13,6 +13,7 @@ from nanovllm.kernels.kv_cache import store_kvcache
 class FlashAttnBackend:
     name = "flash-attn"
     supports_cuda_graphs = True
+    supports_fp8_kv = False  # FlashAttention-2 reads 16-bit caches only
     required_block_size_multiple = 256  # flash-attn's paged KV: "block size must be divisible by 256"
 
     def __init__(self):
@@ -26,8 +27,8 @@ class FlashAttnBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None = None,
-                softcap: float | None = None) -> torch.Tensor:
-        store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+                softcap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+        store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)  # a 16-bit cache: scales unused
         # flash-attn's window counts keys to the left of the query's own position; 0.0 means no soft-capping.
         limits = dict(window_size=(-1, -1) if window is None else (window - 1, 0), softcap=softcap or 0.0)
         if meta.max_query_len == 1:

@@ -12,6 +12,7 @@ from nanovllm.kernels.prefill_attention import paged_prefill_attention
 class TritonAttentionBackend:
     name = "triton"
     supports_cuda_graphs = True  # the decode path never syncs with the host and its shapes are static
+    supports_fp8_kv = True  # the kernels dequantize an FP8 cache in registers
     required_block_size_multiple = 1  # any power-of-two block size
 
     def __init__(self, device: torch.device):
@@ -24,10 +25,11 @@ class TritonAttentionBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None = None,
-                softcap: float | None = None) -> torch.Tensor:
-        store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+                softcap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+        store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+        limits = dict(window=window, softcap=softcap, k_scale=k_scale, v_scale=v_scale)
         if meta.max_query_len == 1:
             return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
-                                          meta.decode_num_splits, window=window, softcap=softcap)
+                                          meta.decode_num_splits, **limits)
         return paged_prefill_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                                       meta.max_query_len, scale, window=window, softcap=softcap)
+                                       meta.max_query_len, scale, **limits)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nanovllm.attention.kv_quant import check_fp8_kv_supported
 from nanovllm.config import EngineConfig
 from nanovllm.engine.block_manager import NO_HASH, BlockManager, compute_block_hash
 from nanovllm.engine.sequence import Sequence
@@ -22,7 +23,8 @@ class KVCachePlan:
     prompts: PromptTokenizer  # tokenizes and renders chat templates as the engine does
     max_model_len: int
     block_size: int
-    dtype_bytes: int
+    kv_cache_dtype: str  # the cache's element type ("bfloat16", "float8_e4m3fn", ...)
+    dtype_bytes: int  # of one cache element
     bytes_per_block: int  # K and V of one block over all layers, every KV head (no tensor parallelism)
     num_blocks: int
     num_blocks_source: str  # how num_blocks was found
@@ -41,21 +43,23 @@ def plan_kv_cache(model: str | None = None, num_blocks: int | None = None, **eng
     hf = resolved.hf_config
     limit = hf.max_position_embeddings
     device = config.resolve_device()
-    itemsize = config.resolve_dtype(device).itemsize
-    bytes_per_block = kv_block_bytes(hf, config.block_size, itemsize, hf.num_key_value_heads)
+    check_fp8_kv_supported(config.kv_cache_dtype, device)
+    kv_dtype = config.resolve_kv_cache_dtype(device)
+    bytes_per_block = kv_block_bytes(hf, config.block_size, kv_dtype.itemsize, hf.num_key_value_heads)
     if num_blocks is not None:
         source = "given (num_blocks)"
     elif device.type == "cpu":
         num_blocks, source = config.cpu_kv_cache_bytes // bytes_per_block, "the CPU KV budget (cpu_kv_cache_bytes)"
     else:
         with torch.device("meta"):
-            weights = sum(p.numel() for p in model_class_for(hf)(hf).parameters()) * itemsize
+            params = sum(p.numel() for p in model_class_for(hf)(hf).parameters())
+        weights = params * config.resolve_dtype(device).itemsize
         total = torch.cuda.get_device_properties(device).total_memory
         num_blocks = max(int(total * config.gpu_memory_utilization - weights) // bytes_per_block, 1)
         source = "GPU memory x gpu_memory_utilization - weights (activations not counted: an upper bound)"
     return KVCachePlan(resolved.name, PromptTokenizer.for_model(resolved),
-                       config.max_model_len or limit, config.block_size, itemsize, bytes_per_block,
-                       num_blocks, source)
+                       config.max_model_len or limit, config.block_size, str(kv_dtype).removeprefix("torch."),
+                       kv_dtype.itemsize, bytes_per_block, num_blocks, source)
 
 
 def block_hashes(token_ids: list[int], block_size: int) -> list[int]:

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 class CostModel:
     """One rank's share of the work (its weight shard, its KV and attention heads), for a roofline."""
 
-    kv_bytes_per_token: int  # K and V of one token over all layers
+    kv_bytes_per_token: int  # K and V of one token over all layers, at the cache's element size (1 byte for FP8)
     attention_flops_per_pair: int  # QK^T and PV FLOPs of one (query, key) pair over all layers
     weights: WeightCosts  # the weights' bytes and FLOPs (models/costs.py: dense, or experts a batch selects)
 
@@ -45,6 +45,7 @@ class EngineInfo:
     vocab_size: int
     device: str  # "cpu" | "cuda" | "cuda:N"
     dtype: str  # "float32" | "float16" | "bfloat16"
+    kv_cache_dtype: str  # the cache's element type: dtype's, or "float8_e4m3fn" | "float8_e5m2"
     tensor_parallel_size: int
     attention_backend: str
     max_model_len: int
@@ -60,9 +61,10 @@ class EngineInfo:
     costs: CostModel
 
 
-def model_costs(hf_config, model: torch.nn.Module, dtype: torch.dtype) -> CostModel:
-    """The cost model of this process's rank of `model` (a whole model when there is no tensor parallelism)."""
-    kv = kv_block_bytes(hf_config, 1, dtype.itemsize, kv_heads_per_rank(hf_config))  # a block of one token
+def model_costs(hf_config, model: torch.nn.Module, kv_cache_dtype: torch.dtype) -> CostModel:
+    """The cost model of this process's rank of `model` (a whole model when there is no tensor parallelism)
+    with a KV cache of `kv_cache_dtype` elements."""
+    kv = kv_block_bytes(hf_config, 1, kv_cache_dtype.itemsize, kv_heads_per_rank(hf_config))  # a one-token block
     attention = 4 * hf_config.num_hidden_layers * hf_config.num_attention_heads // tp_size() * head_dim_of(hf_config)
     return CostModel(kv, attention, weight_costs(model))
 
@@ -71,14 +73,15 @@ def engine_info(llm: LLM) -> EngineInfo:
     runner, config = llm._runner, llm.config
     return EngineInfo(
         model=llm.model_name, vocab_size=llm.hf_config.vocab_size, device=str(runner.device),
-        dtype=str(runner.dtype).removeprefix("torch."), tensor_parallel_size=config.tensor_parallel_size,
+        dtype=str(runner.dtype).removeprefix("torch."),
+        kv_cache_dtype=str(runner.kv_cache_dtype).removeprefix("torch."), tensor_parallel_size=config.tensor_parallel_size,
         attention_backend=runner.attention_backend, max_model_len=llm.max_model_len,
         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
         block_size=config.block_size, num_kv_blocks=runner.num_kv_blocks,
-        kv_block_bytes=kv_block_bytes(llm.hf_config, config.block_size, runner.dtype.itemsize, runner.num_kv_heads),
+        kv_block_bytes=runner.kv_block_bytes,
         max_batch_size=runner.max_batch_size, decode_batch_sizes=tuple(batch_size_ladder(runner.max_batch_size)),
         cuda_graphs=runner.graphs is not None, prefix_caching=config.enable_prefix_caching,
-        costs=model_costs(llm.hf_config, runner.model, runner.dtype))
+        costs=model_costs(llm.hf_config, runner.model, runner.kv_cache_dtype))
 
 
 def engine_report(llm: LLM) -> dict:

@@ -11,7 +11,8 @@ class Attention(nn.Module):
 
     The runner binds `k_cache`/`v_cache` (views of the engine's one KV tensor) and `backend` after allocation.
     `sliding_window`: each token sees only the last that many positions up to its own (HF's rule); `logit_softcap`:
-    scores become cap * tanh(scores / cap). Both are this layer's own, so layers of one model may differ."""
+    scores become cap * tanh(scores / cap). Both are this layer's own, so layers of one model may differ.
+    `k_scale` / `v_scale`: the per-tensor scales of an FP8 cache (attention/kv_quant.py), 1.0 unless set."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  sliding_window: int | None = None, logit_softcap: float | None = None):
@@ -27,9 +28,12 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
         self.backend = None
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q/k/v: [tokens, heads, head_dim] -> [tokens, heads * head_dim]."""
         out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale,
-                                   window=self.sliding_window, softcap=self.logit_softcap)
+                                   window=self.sliding_window, softcap=self.logit_softcap, k_scale=self.k_scale,
+                                   v_scale=self.v_scale)
         return out.reshape(out.shape[0], -1)

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from nanovllm.attention import AttentionMetadata, select_backend
+from nanovllm.attention.kv_quant import check_fp8_kv_supported
 from nanovllm.batch import ScheduledBatch
 from nanovllm.config import EngineConfig
 from nanovllm.distributed import min_over_ranks
@@ -97,7 +98,14 @@ class ModelRunner:
         self.hf_config = resolved.hf_config
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(self.device)
+        check_fp8_kv_supported(config.kv_cache_dtype, self.device)  # before any weight is loaded
+        self.kv_cache_dtype = config.resolve_kv_cache_dtype(self.device)
+        # Chosen before any weight is loaded: an unsupported combination fails at once.
         self.block_size = config.block_size
+        self.backend = backend = select_backend(config.attention_backend, self.device, config.kv_cache_dtype)
+        if self.block_size % backend.required_block_size_multiple:
+            raise ValueError(f"the {backend.name} attention backend needs a block_size divisible by "
+                             f"{backend.required_block_size_multiple}; got block_size={self.block_size}")
         self.max_model_len = max_model_len
         self.vocab_size = self.hf_config.vocab_size
         self.num_kv_heads = kv_heads_per_rank(self.hf_config)
@@ -125,11 +133,6 @@ class ModelRunner:
                 "num_kv_blocks (cpu_kv_cache_bytes on the CPU); gpu_memory_utilization is this engine's share of "
                 "the device, and the cache also takes no more than is free")
         self.kv_cache = self._allocate_kv_cache(self.num_kv_blocks)
-        backend = select_backend(config.attention_backend, self.device)
-        if self.block_size % backend.required_block_size_multiple:
-            raise ValueError(f"the {backend.name} attention backend needs a block_size divisible by "
-                             f"{backend.required_block_size_multiple}; got block_size={self.block_size}")
-        self.backend = backend
         for index, layer in enumerate(self.model.attention_layers()):
             layer.k_cache, layer.v_cache = self.kv_cache[0, index], self.kv_cache[1, index]
             layer.backend = backend
@@ -198,7 +201,7 @@ class ModelRunner:
 
     @property
     def kv_block_bytes(self) -> int:
-        return kv_block_bytes(self.hf_config, self.block_size, self.dtype.itemsize, self.num_kv_heads)
+        return kv_block_bytes(self.hf_config, self.block_size, self.kv_cache_dtype.itemsize, self.num_kv_heads)
 
     def _kv_budget_blocks(self) -> int:
         if self.device.type == "cpu":
@@ -219,7 +222,7 @@ class ModelRunner:
         scratch = self._allocate_kv_cache(1)
         for index, layer in enumerate(self.model.attention_layers()):
             layer.k_cache, layer.v_cache = scratch[0, index], scratch[1, index]
-            layer.backend = select_backend(self.config.attention_backend, self.device)
+            layer.backend = self.backend
         lens = [num_tokens // num_seqs] * num_seqs
         lens[-1] += num_tokens - sum(lens)
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
@@ -239,7 +242,7 @@ class ModelRunner:
     def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         hf = self.hf_config
         shape = (2, hf.num_hidden_layers, num_blocks, self.block_size, kv_heads_per_rank(hf), head_dim_of(hf))
-        return torch.empty(shape, dtype=self.dtype, device=self.device)
+        return torch.empty(shape, dtype=self.kv_cache_dtype, device=self.device)
 
     # ---- one step ----------------------------------------------------------------------------------------------
 
