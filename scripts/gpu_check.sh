@@ -6,7 +6,7 @@
 # Everything lands under $OUT (logs + JSON). Stages: tests, kernels, gemm, model, host, bench, sampling, peers
 # (default: all); tp (two GPUs: the TP=2 GPU test, then bench at TP=1 and TP=2) and structured (structured
 # outputs: GPU tests, bench_structured, bench --structured; needs carried wheels, see the stage) are only run
-# when named.
+# when named; fp8w (FP8 weights: tests, GEMM timing, bench Qwen3-8B bf16 vs fp8) too.
 set -uo pipefail
 OUT=${OUT:-/tmp/nanovllm-gpu}
 mkdir -p "$OUT"
@@ -54,6 +54,18 @@ for stage in $STAGES; do
     moe)     python3 scripts/bench_moe.py --out "$OUT/bench_moe.jsonl" 2>"$OUT/bench_moe.err"; rc=$?
              nanovllm bench --model qwen3-30b-a3b --load-format dummy --json \
                > "$OUT/bench_qwen3_30b_a3b.json" 2>"$OUT/bench_qwen3_30b_a3b.err" || rc=1 ;;
+    fp8w)    # FP8 weights: the kernel and engine GPU tests; the FP8 GEMMs (cuBLASLt vs Triton vs bf16) at Qwen3-8B's
+             # projections (the last line suggests layers/fp8.py TRITON_MAX_ROWS); bench at Qwen3-8B's shape, bf16 vs fp8
+             python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_fp8_kernel.py tests/test_fp8.py \
+               2>&1 | tee "$OUT/gpu_fp8w_tests.log" | tail -15; rc=${PIPESTATUS[0]}
+             python3 scripts/bench_fp8_gemm.py --model qwen3-8b > "$OUT/bench_fp8_gemm.jsonl" \
+               2>"$OUT/bench_fp8_gemm.err" || rc=1
+             for quant in none fp8; do
+               flag=$([ "$quant" = fp8 ] && echo "--quantization fp8")
+               # shellcheck disable=SC2086
+               nanovllm bench --model qwen3-8b --load-format dummy --json $flag \
+                 > "$OUT/bench_qwen3_8b_$quant.json" 2>"$OUT/bench_qwen3_8b_$quant.err" || rc=1
+             done ;;
     peers)   python3 scripts/bench_peers.py --model qwen3-0.6b --output-len 512 \
                > "$OUT/bench_peers.json" 2>"$OUT/bench_peers.err"; rc=$? ;;
     *) echo "unknown stage $stage"; exit 2 ;;

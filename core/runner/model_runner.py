@@ -103,7 +103,7 @@ class ModelRunner:
         self.num_kv_heads = kv_heads_per_rank(self.hf_config)
 
         model_class = model_class_for(self.hf_config)
-        fp8 = fp8_scheme(config.quantization, resolved, self.device, hasattr(model_class, "expert_projections"))
+        self.fp8 = fp8_scheme(config.quantization, resolved, self.device, hasattr(model_class, "expert_projections"))
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
@@ -111,7 +111,7 @@ class ModelRunner:
                 self.model = model_class(self.hf_config, fused_ops=config.fused_ops and self.device.type == "cuda")
         finally:
             torch.set_default_dtype(default_dtype)
-        load_weights(self.model, resolved.weights_dir, fp8, seed=config.seed)
+        load_weights(self.model, resolved.weights_dir, self.fp8, seed=config.seed)
         self.model.eval()
 
         self.num_kv_blocks = config.num_kv_blocks or min_over_ranks(self._kv_budget_blocks())  # TP: fits every rank
