@@ -5,10 +5,13 @@ checkpoints in each supported format against the same model dequantized, and the
 Documented error (e4m3: 3 mantissa bits, round to nearest):
 - one value: |t - q·s| <= max(|t|·2^-4, s·2^-10) (relative half-ulp of a normal, half the subnormal step);
 - one linear, weight and activations both quantized, Gaussian data: relative (Frobenius) error < 0.05;
-- a model's logits (the tiny random 2-layer Qwen3 of conftest): relative (Frobenius) error < 0.2, and the
-  teacher-forced greedy choice (the argmax at each prompt position) agrees on >= 75% of positions. A random model
-  amplifies rounding: rounding its projection weights alone to e4m3's 4 significant bits, without any scale,
-  already moves its logits by 0.12 relative; its logits are near-ties over a 512-token vocabulary.
+- a model's logits (the tiny random models of conftest, 2 to 4 layers): relative (Frobenius) error
+  < 0.12·sqrt(layers) (independent per-layer errors add in quadrature); the teacher-forced greedy choice (the argmax at
+  each prompt position) agrees wherever the unquantized top two logits differ by more than 0.5 · the logits'
+  std, and on >= 70% of all positions (these random models' median top-2 gap is only 0.2 std). A random model amplifies rounding:
+  rounding the 2-layer Qwen3's projection weights alone to e4m3's 4 significant bits, without any scale,
+  already moves its logits by 0.12 relative (measured 0.14 with FP8 weights and activations; the 4-layer
+  Phi-3: 0.20); its logits are near-ties over a 512-token vocabulary.
 """
 import json
 from pathlib import Path
@@ -29,11 +32,13 @@ from nanovllm.loaders.quantization import fp8_scheme
 from nanovllm.loaders.resolve import ResolvedModel, resolve_model
 from nanovllm.models.registry import model_class_for
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj",
+               "down_proj")
 PROMPT = list(range(100, 148))
 CHANNEL_LINEAR_BOUND = 0.05
-LOGIT_BOUND = 0.2
-AGREEMENT = 0.75
+LOGIT_BOUND_PER_SQRT_LAYER = 0.12
+AGREEMENT = 0.7
+CLEAR_MARGIN = 0.5  # x the logits' std
 
 
 def randn(*shape, seed=0, scale=1.0):
@@ -174,10 +179,13 @@ def _model(directory: Path | None, quantization=None, preset=None):
     return model
 
 
-def _compare_logits(got: torch.Tensor, expected: torch.Tensor) -> None:
-    assert relative_error(got, expected) < LOGIT_BOUND
-    agreement = (got.argmax(-1) == expected.argmax(-1)).float().mean().item()
-    assert agreement >= AGREEMENT
+def _compare_logits(got: torch.Tensor, expected: torch.Tensor, layers: int) -> None:
+    assert relative_error(got, expected) < LOGIT_BOUND_PER_SQRT_LAYER * layers ** 0.5
+    agree = got.argmax(-1) == expected.argmax(-1)
+    top2 = expected.topk(2, dim=-1).values
+    clear = top2[:, 0] - top2[:, 1] > CLEAR_MARGIN * expected.std()
+    assert agree[clear].all() and clear.any()
+    assert agree.float().mean().item() >= AGREEMENT
 
 
 def test_quantized_at_load_model_matches_unquantized(tiny_model_dirs):
@@ -186,7 +194,8 @@ def test_quantized_at_load_model_matches_unquantized(tiny_model_dirs):
     fp8_weights = [n for n, p in model.named_parameters() if p.dtype == FP8_DTYPE]
     assert len(fp8_weights) == 2 * 4  # qkv, o, gate_up, down of 2 layers
     assert model.lm_head.weight.dtype == torch.float32 and model.model.embed_tokens.weight.dtype == torch.float32
-    _compare_logits(model_prompt_logits(model, PROMPT, 16), model_prompt_logits(_model(directory), PROMPT, 16))
+    _compare_logits(model_prompt_logits(model, PROMPT, 16), model_prompt_logits(_model(directory), PROMPT, 16),
+                    len(model.model.layers))
 
 
 def test_engine_runs_fp8_greedy_like_the_fp8_model(tiny_model_dirs):
@@ -253,12 +262,32 @@ def _write_fp8_checkpoint(source: Path, target: Path, fmt: str) -> Path:
 def test_fp8_checkpoint_matches_dequantized_model(fmt, tiny_model_dirs, tmp_path):
     target = tmp_path / fmt
     reference = _write_fp8_checkpoint(tiny_model_dirs["qwen3"], target, fmt)
+    _check_fp8_checkpoint(target, reference, fmt)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "compressed-tensors"])
+def test_phi3_fp8_checkpoint_with_packed_tensors(fmt, arch_model_dirs, tmp_path):
+    """Phi-3 stores q|k|v and gate|up stacked: their scales are cut into the same parts as the weights."""
+    target = tmp_path / fmt
+    reference = _write_fp8_checkpoint(arch_model_dirs["phi3-longrope"], target, fmt)
+    _check_fp8_checkpoint(target, reference, fmt)
+
+
+def test_phi3_quantized_at_load(arch_model_dirs):
+    directory = arch_model_dirs["phi3-longrope"]
+    model = _model(directory, "fp8")
+    _compare_logits(model_prompt_logits(model, PROMPT, 16), model_prompt_logits(_model(directory), PROMPT, 16),
+                    len(model.model.layers))
+
+
+def _check_fp8_checkpoint(target: Path, reference: Path, fmt: str) -> None:
     model = _model(target)
     layer = model.model.layers[0].self_attn.qkv_proj
     assert layer.weight.dtype == FP8_DTYPE and layer.fp8.in_checkpoint
     assert layer.fp8.block == ((32, 32) if fmt == "fp8" else None)
     # only the activations' quantization differs from the dequantized model
-    _compare_logits(model_prompt_logits(model, PROMPT, 16), model_prompt_logits(_model(reference), PROMPT, 16))
+    _compare_logits(model_prompt_logits(model, PROMPT, 16), model_prompt_logits(_model(reference), PROMPT, 16),
+                    len(model.model.layers))
 
 
 def _resolved(tmp_path, quantization_config=None, gguf=False, weights=True):

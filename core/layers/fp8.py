@@ -17,7 +17,8 @@ scales its own slice of the row (the per-row maximum of its shard), which is at 
 
 On CUDA (compute capability >= 8.9) the matmul runs on FP8 tensor cores: per-channel through cuBLASLt
 (`torch._scaled_mm` with row-wise scales) above `TRITON_MAX_ROWS` rows and through the Triton kernel
-(kernels/fp8_gemm.py) at or below it; block-scaled always through the Triton kernel. On the CPU a reference
+(kernels/fp8_gemm.py) at or below it (without fused ops, on cuBLASLt at every size); block-scaled always through
+the Triton kernel. The activations are always quantized by a Triton kernel. On the CPU a reference
 computes the same rule in float32: activations quantized and dequantized as on the GPU, the weight dequantized.
 """
 from __future__ import annotations
@@ -93,15 +94,19 @@ def _scaled_mm_rowwise(device_index: int | None) -> bool:
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
-               bias: torch.Tensor | None) -> torch.Tensor:
-    """y = x W^T (+ b) for an FP8 weight [N, K] and its scales; x: [M, K] in the model dtype."""
+               bias: torch.Tensor | None, triton_max_rows: int = TRITON_MAX_ROWS) -> torch.Tensor:
+    """y = x W^T (+ b) for an FP8 weight [N, K] and its scales; x: [M, K] in the model dtype. Per channel on
+    CUDA, batches of more than `triton_max_rows` rows go to cuBLASLt where it takes them (bf16 output, Hopper,
+    N and K multiples of 16)."""
     if not x.is_cuda:
         return reference_linear(x, weight, scale, block, bias)
     from nanovllm.kernels.fp8_gemm import fp8_gemm, quantize_groups
 
+    if x.stride(-1) != 1:
+        x = x.contiguous()
     xq, xs = quantize_groups(x, activation_group(block, x.shape[1]))
-    if (block is None and x.shape[0] > TRITON_MAX_ROWS and x.dtype == torch.bfloat16
-            and _scaled_mm_rowwise(x.device.index)):
+    if (block is None and x.shape[0] > triton_max_rows and x.dtype == torch.bfloat16
+            and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0 and _scaled_mm_rowwise(x.device.index)):
         out = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale.view(1, -1), out_dtype=x.dtype)
         return out + bias if bias is not None else out
     return fp8_gemm(xq, xs, weight, scale, block, bias, x.dtype)

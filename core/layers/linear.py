@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.distributed import all_reduce, tp_rank, tp_size
-from nanovllm.layers.fp8 import fp8_linear
+from nanovllm.layers.fp8 import TRITON_MAX_ROWS, fp8_linear
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -68,8 +68,9 @@ class LinearBase(nn.Module):
         param.data.copy_(loaded)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.fp8 is not None:
-            return fp8_linear(x, self.weight, self.weight_scale, self.fp8.block, bias)
+        if self.fp8 is not None:  # without fused ops, every per-channel size that cuBLASLt takes goes to it
+            return fp8_linear(x, self.weight, self.weight_scale, self.fp8.block, bias,
+                              TRITON_MAX_ROWS if self.skinny is not None else 0)
         # fp32 stays with cuBLAS: the kernel's tl.dot would round it to TF32.
         if self.skinny is not None and x.shape[0] <= self.skinny_max_rows and x.dtype != torch.float32:
             return self.skinny(x, self.weight, bias)
