@@ -130,6 +130,16 @@ def _scale_shape(layer: nn.Module, block: tuple[int, int] | None, shape: tuple[i
     return (n // bn, k // bk)
 
 
+def _replace_weight(layer: nn.Module, fp8_weight: torch.Tensor) -> nn.Parameter:
+    """Swap the layer's weight for `fp8_weight` (its shape attributes carried over); returns the old weight."""
+    weight = layer.weight
+    layer.weight = nn.Parameter(fp8_weight, requires_grad=False)
+    for attr in ("full_shape", "packed_parts"):
+        if hasattr(weight, attr):
+            setattr(layer.weight, attr, getattr(weight, attr))
+    return weight
+
+
 def prepare_fp8(model: nn.Module, scheme: Fp8Scheme) -> None:
     """Give the layers their FP8 parameters before loading. From a checkpoint: `weight` becomes float8 and
     `weight_scale` (this rank's shard; `full_shape`, `packed_parts` in scale rows, as linear.py expects) is
@@ -138,13 +148,7 @@ def prepare_fp8(model: nn.Module, scheme: Fp8Scheme) -> None:
         return
     for _, layer in fp8_layers(model):
         layer.fp8 = scheme
-        weight = layer.weight
-        fp8_weight = nn.Parameter(torch.empty(weight.shape, dtype=FP8_DTYPE, device=weight.device),
-                                  requires_grad=False)
-        for attr in ("full_shape", "packed_parts"):
-            if hasattr(weight, attr):
-                setattr(fp8_weight, attr, getattr(weight, attr))
-        layer.weight = fp8_weight
+        weight = _replace_weight(layer, torch.empty(layer.weight.shape, dtype=FP8_DTYPE, device=layer.weight.device))
         scale = nn.Parameter(torch.empty(_scale_shape(layer, scheme.block, tuple(weight.shape)),
                                          dtype=torch.float32, device=weight.device), requires_grad=False)
         scale.full_shape = _scale_shape(layer, scheme.block, weight.full_shape)
@@ -171,8 +175,6 @@ def finish_fp8(model: nn.Module, scheme: Fp8Scheme) -> None:
         block = scheme.block or (1, weight.shape[1])
         _scale_shape(layer, scheme.block, tuple(weight.shape))  # the same divisibility error as from a checkpoint
         q, scale = quantize(weight, block)
-        fp8_weight = nn.Parameter(q, requires_grad=False)
-        fp8_weight.full_shape = weight.full_shape
-        layer.weight = fp8_weight
+        _replace_weight(layer, q)
         layer.weight_scale = nn.Parameter(scale, requires_grad=False)
         layer.fp8 = scheme
