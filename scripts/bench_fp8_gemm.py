@@ -5,9 +5,11 @@ scales) and through the Triton kernels (per channel, and 128 x 128 block-scaled)
 Each shape is run as in a decode step: once per layer on that layer's own weight (so weights stream from memory,
 not L2), all calls captured in one CUDA graph (scripts/bench_gemm.py `graph_ms_per_call`). Per row count it
 times the GEMMs alone on pre-quantized activations, the activation quantization alone, and the whole FP8 linear
-(quantization + GEMM) of each path; the last line suggests layers/fp8.py's `TRITON_MAX_ROWS`: the largest row
-count up to which the Triton path of the whole linear beats cuBLASLt on every shape. `--sweep` also times a grid
-of Triton tile configurations and reports the best beside the chosen one.
+(quantization + GEMM) of each path, and tries torch's own block-scaled `_scaled_mm` (1x128 activations,
+128x128 weights; timed where this torch and GPU take it, else the error is recorded). The last line suggests
+layers/fp8.py's `TRITON_MAX_ROWS`: the largest row count up to which the Triton path of the whole linear beats
+cuBLASLt on every shape. `--sweep` also times a grid of Triton tile configurations and reports the best beside
+the chosen one.
 """
 from __future__ import annotations
 
@@ -31,6 +33,35 @@ BLOCK = (128, 128)
 
 def scaled_mm(xq, xs, wq, ws, dtype):
     return torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.view(1, -1), out_dtype=dtype)
+
+
+def scaled_mm_block(xbq, a_scale, wq, ws, contiguous_b: bool):
+    """torch's own 1x128 x 128x128 block-scaled _scaled_mm (newer torch, Hopper): scale_a [M, K/128] M-major,
+    scale_b [K/128, N/128] (as a view of ours, or contiguous)."""
+    b_scale = ws.t().contiguous() if contiguous_b else ws.t()
+    return torch._scaled_mm(xbq, wq.t(), scale_a=a_scale, scale_b=b_scale, out_dtype=torch.bfloat16)
+
+
+def try_scaled_mm_block(row, xbq, xbs, block, triton_out):
+    """Time torch's block-scaled _scaled_mm in the first scale layout that runs and matches the Triton kernel;
+    else record why not."""
+    a_scale = xbs.t().contiguous().t()
+    errors = {}
+    for contiguous_b in (False, True):
+        layout = "scale_b_contiguous" if contiguous_b else "scale_b_view"
+        try:
+            out = scaled_mm_block(xbq, a_scale, *block[0], contiguous_b).float()
+        except Exception as exc:  # not supported by this torch / GPU / layout
+            errors[layout] = f"{type(exc).__name__}: {str(exc)[:160]}"
+            continue
+        err = ((out - triton_out.float()).norm() / triton_out.float().norm()).item()
+        if err > 1e-2:
+            errors[layout] = f"rel err {err:.3g} vs the Triton block kernel"
+            continue
+        calls = [functools.partial(scaled_mm_block, xbq, a_scale, q, s, contiguous_b) for q, s in block]
+        row["gemm_scaled_mm_block_us"], row["scaled_mm_block_layout"] = 1e3 * graph_ms_per_call(calls), layout
+        return
+    row["scaled_mm_block_errors"] = errors
 
 
 def linear_scaled_mm(x, wq, ws):
@@ -112,6 +143,7 @@ def main() -> None:
             for key, nbytes in (("bf16_cublas", 2 * n * k), ("gemm_scaled_mm", n * k), ("gemm_triton_channel", n * k),
                                 ("gemm_triton_block", n * k)):
                 row[f"{key}_bw_frac"] = nbytes / (row[f"{key}_us"] * 1e-6) / ceilings.copy_bytes_per_s
+            try_scaled_mm_block(row, xbq, xbs, block, fp8_gemm(xbq, xbs, *block[0], BLOCK, None, x.dtype))
             triton_wins[m] &= row["linear_triton_channel_us"] < row["linear_scaled_mm_us"]
             if args.sweep:
                 for label, blk, operands in (("channel", None, (xq, xs, channel)), ("block", BLOCK, (xbq, xbs, block))):
