@@ -35,6 +35,7 @@ from nanovllm.models.registry import model_class_for
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj",
                "down_proj")
 PROMPT = list(range(100, 148))
+GPU_PROMPTS = [list(range(100 + 7 * i, 124 + 7 * i)) for i in range(4)]
 CHANNEL_LINEAR_BOUND = 0.05
 LOGIT_BOUND_PER_SQRT_LAYER = 0.12
 AGREEMENT = 0.7
@@ -350,9 +351,6 @@ def test_checkpoint_dtype_must_match_its_declared_layout(tiny_model_dirs, tmp_pa
         _model(target)
 
 
-GPU_PROMPTS = [list(range(100 + 7 * i, 124 + 7 * i)) for i in range(4)]
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["quantized-at-load", "fp8"])
 def test_gpu_fp8_engine_matches_the_cpu_reference(fmt, tiny_model_dirs, tmp_path):
@@ -389,3 +387,17 @@ def test_cli_quantization_flag_reaches_the_engine():
     assert json.loads(result.stdout)["engine"]["quantization"] == "fp8 (quantized at load, per channel)"
     bad = CliRunner().invoke(app, [*args, "--quantization", "int4"])
     assert bad.exit_code == 2 and "quantization='int4'" in bad.output
+
+
+def test_tp2_fp8_block_checkpoint_equals_tp1(tiny_model_dirs, tmp_path):
+    """Real tensor parallelism (two processes): each rank loads its shard of the FP8 weights and of their block
+    scales (rows for q|k|v and gate|up, columns for o and down). Block scales keep every rank's activation groups
+    those of the whole layer, so TP=2 computes what TP=1 does, up to the order of the all-reduce's sum."""
+    directory = tmp_path / "ckpt"
+    _write_fp8_checkpoint(tiny_model_dirs["qwen3"], directory, "fp8")
+    engine = {"max_model_len": 64, "num_kv_blocks": 32}
+    greedy = SamplingParams(max_tokens=8, temperature=0)
+    with LLM(str(directory), **engine) as llm:
+        reference = [o.outputs[0].token_ids for o in llm.generate(GPU_PROMPTS, greedy)]
+    with LLM(str(directory), tensor_parallel_size=2, **engine) as llm:
+        assert [o.outputs[0].token_ids for o in llm.generate(GPU_PROMPTS, greedy)] == reference
