@@ -401,3 +401,13 @@ def test_tp2_fp8_block_checkpoint_equals_tp1(tiny_model_dirs, tmp_path):
         reference = [o.outputs[0].token_ids for o in llm.generate(GPU_PROMPTS, greedy)]
     with LLM(str(directory), tensor_parallel_size=2, **engine) as llm:
         assert [o.outputs[0].token_ids for o in llm.generate(GPU_PROMPTS, greedy)] == reference
+
+
+def test_checkpoints_may_leave_the_head_and_routers_unquantized(tmp_path):
+    qc = {"quant_method": "compressed-tensors", "config_groups": {"g": _CHANNEL_GROUP},
+          "ignore": ["lm_head", "re:.*mlp.gate$", "re:.*shared_expert_gate$"]}
+    scheme = fp8_scheme(None, _resolved(tmp_path, qc), torch.device("cpu"), has_experts=False)
+    assert scheme.block is None and scheme.in_checkpoint
+    hf = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+          "modules_to_not_convert": ["lm_head"]}
+    assert fp8_scheme(None, _resolved(tmp_path, hf), torch.device("cpu"), has_experts=False).block == (128, 128)

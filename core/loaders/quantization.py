@@ -14,10 +14,11 @@ SUPPORTED_CHECKPOINTS = (
     "quant_method 'compressed-tensors' with float 8-bit weights of strategy 'channel' and dynamic float 8-bit "
     "input activations of strategy 'token'",
 )
-# Linear layers that nanovllm quantizes, by their checkpoint names: a checkpoint may keep others (lm_head, MoE
-# routers) unquantized, not these.
-_QUANTIZED_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj",
-                          "gate_up_proj", "down_proj")
+# Linear layers that nanovllm quantizes, as checkpoint names of layer 0 (what an `ignore` regex is matched
+# against): a checkpoint may keep others (lm_head, MoE routers) unquantized, not these.
+_QUANTIZED_PROJECTIONS = tuple(f"model.layers.0.{module}.{name}" for module, names in (
+    ("self_attn", ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")),
+    ("mlp", ("gate_proj", "up_proj", "gate_up_proj", "down_proj"))) for name in names)
 
 
 def _unsupported(what: str) -> ValueError:
@@ -29,9 +30,9 @@ def _check_unquantized(names: list[str], key: str) -> None:
     """A checkpoint may leave the LM head and routers unquantized, but not a layer nanovllm runs in FP8."""
     for name in names:
         pattern = name[3:] if name.startswith("re:") else None
-        for projection in _QUANTIZED_PROJECTIONS:
-            example = f"model.layers.0.self_attn.{projection}"
-            hit = re.search(pattern, example) if pattern else name.endswith(f".{projection}") or name == projection
+        for example in _QUANTIZED_PROJECTIONS:
+            projection = example.rsplit(".", 1)[1]
+            hit = re.match(pattern, example) if pattern else name.endswith(f".{projection}") or name == projection
             if hit:
                 raise _unsupported(f"{key} lists {name!r}, a {projection} layer left unquantized (nanovllm runs "
                                    "every projection of the decoder layers in FP8)")
