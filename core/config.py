@@ -10,6 +10,7 @@ from nanovllm.attention.kv_quant import KV_CACHE_DTYPES, resolve_kv_cache_dtype
 _DTYPES = {"auto", "float32", "float16", "bfloat16"}
 _LOAD_FORMATS = {"auto", "dummy"}
 _ATTENTION_BACKENDS = {None, "torch", "triton", "flash-attn"}
+_QUANTIZATIONS = {None, "fp8"}
 
 
 @dataclass
@@ -32,6 +33,8 @@ class EngineConfig:
     load_format: str = "auto"
     async_scheduling: bool = False
     attention_backend: str | None = None
+    # "fp8": FP8 weights for the decoder's linear layers (layers/fp8.py); an FP8 checkpoint needs no argument.
+    quantization: str | None = None
     fused_ops: bool = True  # on CUDA: RMSNorm, q/k norm + rotary, SiLU-and-mul, decode-sized GEMMs as Triton kernels
     device: str | None = None
     seed: int = 0
@@ -72,6 +75,8 @@ class EngineConfig:
         check(self.load_format in _LOAD_FORMATS, "load_format", f"must be one of {sorted(_LOAD_FORMATS)}")
         check(self.attention_backend in _ATTENTION_BACKENDS, "attention_backend",
               f"must be one of {sorted(b for b in _ATTENTION_BACKENDS if b)}")
+        check(self.quantization in _QUANTIZATIONS, "quantization",
+              f"must be one of {sorted(q for q in _QUANTIZATIONS if q)} (or None)")
         check(self.device in (None, "cpu", "cuda"), "device", "must be 'cpu' or 'cuda'")
         check(isinstance(self.seed, int), "seed", "must be an integer")
         check(isinstance(self.fused_ops, bool), "fused_ops", "must be True or False")

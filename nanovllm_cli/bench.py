@@ -286,7 +286,7 @@ def bench(
                    "block_size": info.block_size, "max_num_seqs": info.max_num_seqs,
                    "max_num_batched_tokens": info.max_num_batched_tokens, "num_kv_blocks": info.num_kv_blocks,
                    "cuda_graphs": info.cuda_graphs, "attention_backend": info.attention_backend,
-                   "torch": torch.__version__},
+                   "quantization": info.quantization, "torch": torch.__version__},
         "ceilings": ({"copy_bytes_per_s": ceilings.copy_bytes_per_s,
                       "matmul_bf16_flops_per_s": ceilings.matmul_flops_per_s} if ceilings else None),
         "modes": results,

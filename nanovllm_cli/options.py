@@ -61,6 +61,9 @@ class EngineOptions:
         "kernels (CUDA).", rich_help_panel=ENGINE)] = False
     load_format: Annotated[str | None, typer.Option(
         help="auto | dummy (random weights, for testing).", rich_help_panel=ENGINE)] = None
+    quantization: Annotated[str | None, typer.Option(
+        help="fp8: FP8 weights for the decoder's linear layers, quantized at load (the LM head and MoE experts "
+        "stay bf16; GPUs of compute capability >= 8.9). FP8 checkpoints need no flag.", rich_help_panel=ENGINE)] = None
     block_size: Annotated[int | None, typer.Option(
         help="KV-cache block size in tokens (default 16).", rich_help_panel=ENGINE)] = None
     no_prefix_caching: Annotated[bool, typer.Option(
@@ -90,6 +93,7 @@ class EngineOptions:
                 "max_num_batched_tokens": self.max_num_batched_tokens,
                 "gpu_memory_utilization": self.gpu_memory_utilization,
                 "tensor_parallel_size": self.tensor_parallel_size, "load_format": self.load_format,
+                "quantization": self.quantization,
                 "block_size": self.block_size, "num_kv_blocks": self.num_kv_blocks, "device": self.device,
                 "attention_backend": self.attention_backend, "seed": seed,
                 "cpu_kv_cache_bytes": None if self.kv_cache_gib is None else max(int(self.kv_cache_gib * (1 << 30)), 1),

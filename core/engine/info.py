@@ -58,6 +58,7 @@ class EngineInfo:
     decode_batch_sizes: tuple[int, ...]  # the batch sizes a decode step is padded to (its CUDA graphs' sizes)
     cuda_graphs: bool  # whether decode steps replay CUDA graphs
     prefix_caching: bool
+    quantization: str | None  # the FP8 weight scheme (layers/fp8.py), None: weights in `dtype`
     costs: CostModel
 
 
@@ -81,6 +82,7 @@ def engine_info(llm: LLM) -> EngineInfo:
         kv_block_bytes=runner.kv_block_bytes,
         max_batch_size=runner.max_batch_size, decode_batch_sizes=tuple(batch_size_ladder(runner.max_batch_size)),
         cuda_graphs=runner.graphs is not None, prefix_caching=config.enable_prefix_caching,
+        quantization=runner.fp8.name if runner.fp8 is not None else None,
         costs=model_costs(llm.hf_config, runner.model, runner.kv_cache_dtype))
 
 

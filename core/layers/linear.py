@@ -1,7 +1,9 @@
 """Linear layers that shard across tensor-parallel ranks. Each layer's `weight_loader` takes a full checkpoint
 tensor (or one packed part of it) and copies this rank's slice into one of its parameters; each parameter carries
 the shape of that full tensor (`full_shape`; packed parameters also `packed_parts`: part id -> its rows) for
-loaders that make weights up."""
+loaders that make weights up. Under an FP8 scheme (layers/fp8.py) the column- and row-parallel layers also hold
+`weight_scale`, loaded by the same loaders: a scale covers `rows_per_entry` weight rows, and is sharded along a
+dim only where its extent there is smaller than its full one."""
 from __future__ import annotations
 
 import torch
@@ -9,12 +11,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.distributed import all_reduce, tp_rank, tp_size
+from nanovllm.layers.fp8 import TRITON_MAX_ROWS, fp8_linear
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator:
         raise ValueError(f"{what}={numerator} is not divisible by tensor_parallel_size={denominator}")
     return numerator // denominator
+
+
+def _rows_per_entry(layer: nn.Module, param: nn.Parameter) -> int:
+    """Weight rows per row of `param`: 1 for the weight, its bias and per-channel scales, bn for block scales."""
+    return layer.weight.full_shape[0] // param.full_shape[0]
 
 
 def _set_packed_parts(layer: nn.Module, parts: dict) -> None:
@@ -33,6 +41,7 @@ class LinearBase(nn.Module):
     def __init__(self, input_size: int, output_size: int, bias: bool, shard_dim: int | None, fused: bool = False):
         super().__init__()
         self.shard_dim = shard_dim
+        self.fp8 = None  # the FP8 scheme once `weight` is float8 with its `weight_scale` (layers/fp8.py)
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.skinny = None
         if fused:  # imported only when used: the CPU path needs no Triton
@@ -52,12 +61,16 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        if self.shard_dim is not None and not (param.dim() == 1 and self.shard_dim == 1):
-            size = param.shape[self.shard_dim]
-            loaded = loaded.narrow(self.shard_dim, tp_rank() * size, size)
+        dim = self.shard_dim
+        if dim is not None and param.dim() > dim and param.shape[dim] != param.full_shape[dim]:
+            size = param.shape[dim]
+            loaded = loaded.narrow(dim, tp_rank() * size, size)
         param.data.copy_(loaded)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.fp8 is not None:  # without fused ops, every per-channel size that cuBLASLt takes goes to it
+            return fp8_linear(x, self.weight, self.weight_scale, self.fp8.block, bias,
+                              TRITON_MAX_ROWS if self.skinny is not None else 0)
         # fp32 stays with cuBLAS: the kernel's tl.dot would round it to TF32.
         if self.skinny is not None and x.shape[0] <= self.skinny_max_rows and x.dtype != torch.float32:
             return self.skinny(x, self.weight, bias)
@@ -91,9 +104,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         _set_packed_parts(self, dict(enumerate(output_sizes)))
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
-        world = tp_size()
-        offset = sum(self.output_sizes[:shard_id]) // world
-        size = self.output_sizes[shard_id] // world
+        world, rows = tp_size(), _rows_per_entry(self, param)
+        offset = sum(self.output_sizes[:shard_id]) // world // rows
+        size = self.output_sizes[shard_id] // world // rows
         param.data.narrow(0, offset, size).copy_(loaded.narrow(0, tp_rank() * size, size))
 
 
@@ -111,8 +124,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         _set_packed_parts(self, {"q": num_heads * head_dim, "k": kv_rows, "v": kv_rows})
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
-        q_size = self.num_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
+        rows = _rows_per_entry(self, param)
+        q_size = self.num_heads * self.head_dim // rows
+        kv_size = self.num_kv_heads * self.head_dim // rows
         offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
         param.data.narrow(0, offset, size).copy_(loaded.narrow(0, tp_rank() * size, size))
 

@@ -17,6 +17,7 @@ class ResolvedModel:
     hf_config: object
     weights_dir: Path | None  # None: random (dummy) weights
     tokenizer_dir: Path | None  # None: token ids in and out only
+    gguf: bool = False  # the weights come from a GGUF file (converted)
 
 
 def preset_names() -> list[str]:
@@ -58,4 +59,5 @@ def resolve_model(model: str | None, load_format: str = "auto") -> ResolvedModel
     model_class_for(hf_config)
     has_tokenizer = any((directory / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
     weights = None if load_format == "dummy" else directory
-    return ResolvedModel(path.stem if path.is_file() else path.name, hf_config, weights, directory if has_tokenizer else None)
+    return ResolvedModel(path.stem if path.is_file() else path.name, hf_config, weights,
+                         directory if has_tokenizer else None, gguf=path.is_file())

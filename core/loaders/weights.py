@@ -8,6 +8,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from nanovllm.layers.fp8 import FP8_DTYPE, Fp8Scheme, finish_fp8, prepare_fp8
+
 # Checkpoint tensors with no parameter in our model: rotary tables are recomputed.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # One expert's matrix in an MoE checkpoint: `<layer>.experts.<index>.<projection>.weight`.
@@ -92,6 +94,10 @@ def load_safetensors_weights(model: nn.Module, directory: Path) -> None:
                     raise ValueError(f"checkpoint tensor {name!r} in {file.name} matches no model parameter")
                 param, loader = params[target]
                 tensor = f.get_tensor(name)
+                if (tensor.dtype == FP8_DTYPE) != (param.dtype == FP8_DTYPE):
+                    raise ValueError(f"checkpoint tensor {name!r} in {file.name} is {tensor.dtype} but its parameter "
+                                     f"{target} is {param.dtype}: the checkpoint's FP8 layers do not match its "
+                                     "quantization_config (layers/fp8.py says which layers run in FP8)")
                 if part is None:
                     load_whole(param, loader, tensor)
                 else:
@@ -126,3 +132,17 @@ def load_dummy_weights(model: nn.Module, seed: int = 0) -> None:
         full = torch.empty(getattr(param, "full_shape", param.shape), dtype=param.dtype, device=param.device)
         full.uniform_(-0.05, 0.05, generator=generators[param.device])
         load_whole(param, loaders[name][1], full)
+
+
+def load_weights(model: nn.Module, weights_dir: Path | None, fp8: Fp8Scheme | None, seed: int = 0) -> None:
+    """Fill a freshly built model: from the checkpoint directory (None: dummy weights from `seed`), its linear
+    layers under the FP8 scheme `fp8` when one applies (layers/fp8.py: FP8 parameters before loading, or
+    quantized after)."""
+    if fp8 is not None:
+        prepare_fp8(model, fp8)
+    if weights_dir is None:
+        load_dummy_weights(model, seed=seed)
+    else:
+        load_safetensors_weights(model, weights_dir)
+    if fp8 is not None:
+        finish_fp8(model, fp8)

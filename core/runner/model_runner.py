@@ -15,7 +15,8 @@ from nanovllm.config import EngineConfig
 from nanovllm.distributed import min_over_ranks
 from nanovllm.layers.logprobs import TokenLogprobs, chunked_logprobs, compute_logprobs
 from nanovllm.layers.sampler import SamplingTensors, sample
-from nanovllm.loaders import ResolvedModel, load_dummy_weights, load_safetensors_weights
+from nanovllm.loaders import ResolvedModel, load_weights
+from nanovllm.loaders.quantization import fp8_scheme
 from nanovllm.models.llama import head_dim_of, kv_block_bytes, kv_heads_per_rank
 from nanovllm.models.registry import model_class_for
 from nanovllm.runner.cuda_graphs import DecodeGraphs
@@ -110,18 +111,16 @@ class ModelRunner:
         self.vocab_size = self.hf_config.vocab_size
         self.num_kv_heads = kv_heads_per_rank(self.hf_config)
 
+        model_class = model_class_for(self.hf_config)
+        self.fp8 = fp8_scheme(config.quantization, resolved, self.device, hasattr(model_class, "expert_projections"))
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                model_class = model_class_for(self.hf_config)
                 self.model = model_class(self.hf_config, fused_ops=config.fused_ops and self.device.type == "cuda")
         finally:
             torch.set_default_dtype(default_dtype)
-        if resolved.weights_dir is None:
-            load_dummy_weights(self.model, seed=config.seed)
-        else:
-            load_safetensors_weights(self.model, resolved.weights_dir)
+        load_weights(self.model, resolved.weights_dir, self.fp8, seed=config.seed)
         self.model.eval()
 
         self.num_kv_blocks = config.num_kv_blocks or min_over_ranks(self._kv_budget_blocks())  # TP: fits every rank

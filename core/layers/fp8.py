@@ -1,0 +1,180 @@
+"""FP8 (e4m3) weights for the tensor-parallel linear layers (quantization="fp8", or an FP8 checkpoint).
+
+A weight is float8_e4m3fn with float32 scales, w ≈ q * scale, in one of two layouts (`Fp8Scheme.block`):
+- per output channel: `weight_scale` [N, 1], one scale per row (quantization="fp8" on a bf16/fp16 checkpoint,
+  quantized after loading; compressed-tensors `channel` checkpoints);
+- block-scaled: `weight_scale` [N / bn, K / bk], one per bn x bk tile (HF `fp8` checkpoints with
+  `weight_block_size`, whose tensor is named `weight_scale_inv`: it multiplies, as here).
+Activations are quantized on the fly: per token (per channel) or per token and bk-column group (block-scaled).
+
+Which layers: every `ColumnParallelLinear` / `RowParallelLinear` (q|k|v, o, gate|up, down, the shared expert of
+Qwen2-MoE). The LM head and embeddings, MoE routers (`ReplicatedLinear`) and the stacked MoE experts stay in the
+model dtype.
+
+Tensor parallelism: a scale is sharded like the weight rows (or columns) it scales. Per-channel scales of a
+row-parallel layer are whole on every rank when they come from a checkpoint; quantized after loading, each rank
+scales its own slice of the row (the per-row maximum of its shard), which is at least as precise.
+
+On CUDA (compute capability >= 8.9) the matmul runs on FP8 tensor cores: per-channel through cuBLASLt
+(`torch._scaled_mm` with row-wise scales) above `TRITON_MAX_ROWS` rows and through the Triton kernel
+(kernels/fp8_gemm.py) at or below it (without fused ops, on cuBLASLt at every size); block-scaled always through
+the Triton kernel. The activations are always quantized by a Triton kernel. On the CPU a reference
+computes the same rule in float32: activations quantized and dequantized as on the GPU, the weight dequantized.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from nanovllm.distributed import tp_size
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+MIN_AMAX = 1e-10  # the smallest max(|x|) a scale is computed from: a zero group gets a finite scale
+# Per-channel FP8 projections with at most this many rows (tokens) run on the Triton kernel, larger ones on
+# cuBLASLt. To be set from scripts/bench_fp8_gemm.py (gpu_check.sh stage fp8w); provisional, unmeasured.
+TRITON_MAX_ROWS = 64
+
+
+@dataclass(frozen=True)
+class Fp8Scheme:
+    """How the linear layers hold FP8 weights. `block`: None per output channel, (bn, bk) block-scaled.
+    `in_checkpoint`: the checkpoint stores the FP8 weights and scales (else they are quantized after loading).
+    `name`: what the user asked or the checkpoint declared, for messages."""
+
+    block: tuple[int, int] | None
+    in_checkpoint: bool
+    name: str
+
+
+def quantize(t: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """t [N, K] -> (float8_e4m3fn [N, K], float32 scales [N / bn, K / bk]) with one scale per bn x bk tile:
+    scale = max(|tile|) / 448, q = clamp(t / scale, ±448). (1, K): per row; (1, g): per row and g-column group."""
+    n, k = t.shape
+    bn, bk = block
+    if n % bn or k % bk:
+        raise ValueError(f"a [{n}, {k}] tensor does not divide into {bn} x {bk} scale blocks")
+    tiles = t.float().reshape(n // bn, bn, k // bk, bk)
+    scale = tiles.abs().amax(dim=(1, 3)).clamp(min=MIN_AMAX) / FP8_MAX
+    q = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.reshape(n, k), scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The float32 tensor q * scale, each scale spread over its block (the block is the shape ratio)."""
+    n, k = q.shape
+    bn, bk = -(-n // scale.shape[0]), -(-k // scale.shape[1])
+    spread = scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return q.float() * spread
+
+
+def activation_group(scheme_block: tuple[int, int] | None, k: int) -> int:
+    """Columns per activation scale: the whole row (per channel) or the weight block's K."""
+    return scheme_block[1] if scheme_block is not None else k
+
+
+def reference_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+    """The FP8 linear's rule in float32 (the CPU path and the tests' reference)."""
+    group = activation_group(block, x.shape[1])
+    xq, xs = quantize(x, (1, group))
+    out = dequantize(xq, xs) @ dequantize(weight, scale).T
+    if bias is not None:
+        out += bias.float()
+    return out.to(x.dtype)
+
+
+@functools.cache
+def _scaled_mm_rowwise(device_index: int | None) -> bool:
+    """cuBLASLt's row-wise scaled FP8 matmul: Hopper and later."""
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
+               bias: torch.Tensor | None, triton_max_rows: int = TRITON_MAX_ROWS) -> torch.Tensor:
+    """y = x W^T (+ b) for an FP8 weight [N, K] and its scales; x: [M, K] in the model dtype. Per channel on
+    CUDA, batches of more than `triton_max_rows` rows go to cuBLASLt where it takes them (bf16 output, Hopper,
+    N and K multiples of 16)."""
+    if not x.is_cuda:
+        return reference_linear(x, weight, scale, block, bias)
+    from nanovllm.kernels.fp8_gemm import fp8_gemm, quantize_groups
+
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    xq, xs = quantize_groups(x, activation_group(block, x.shape[1]))
+    if (block is None and x.shape[0] > triton_max_rows and x.dtype == torch.bfloat16
+            and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0 and _scaled_mm_rowwise(x.device.index)):
+        out = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale.view(1, -1), out_dtype=x.dtype)
+        return out + bias if bias is not None else out
+    return fp8_gemm(xq, xs, weight, scale, block, bias, x.dtype)
+
+
+def fp8_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The layers that hold FP8 weights under a scheme: column- and row-parallel linears (see the module doc)."""
+    from nanovllm.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+
+
+def _scale_shape(layer: nn.Module, block: tuple[int, int] | None, shape: tuple[int, int]) -> tuple[int, int]:
+    n, k = shape
+    if block is None:
+        return (n, 1)
+    bn, bk = block
+    if n % bn or k % bk:
+        raise ValueError(f"{type(layer).__name__} of {n} x {k} (this rank's shard) does not divide into "
+                         f"{bn} x {bk} FP8 scale blocks: use another tensor_parallel_size")
+    return (n // bn, k // bk)
+
+
+def _replace_weight(layer: nn.Module, fp8_weight: torch.Tensor) -> nn.Parameter:
+    """Swap the layer's weight for `fp8_weight` (its shape attributes carried over); returns the old weight."""
+    weight = layer.weight
+    layer.weight = nn.Parameter(fp8_weight, requires_grad=False)
+    for attr in ("full_shape", "packed_parts"):
+        if hasattr(weight, attr):
+            setattr(layer.weight, attr, getattr(weight, attr))
+    return weight
+
+
+def prepare_fp8(model: nn.Module, scheme: Fp8Scheme) -> None:
+    """Give the layers their FP8 parameters before loading. From a checkpoint: `weight` becomes float8 and
+    `weight_scale` (this rank's shard; `full_shape`, `packed_parts` in scale rows, as linear.py expects) is
+    added. Quantized after loading: the weight stays in the model dtype until `finish_fp8`."""
+    if not scheme.in_checkpoint:
+        return
+    for _, layer in fp8_layers(model):
+        layer.fp8 = scheme
+        weight = _replace_weight(layer, torch.empty(layer.weight.shape, dtype=FP8_DTYPE, device=layer.weight.device))
+        scale = nn.Parameter(torch.empty(_scale_shape(layer, scheme.block, tuple(weight.shape)),
+                                         dtype=torch.float32, device=weight.device), requires_grad=False)
+        scale.full_shape = _scale_shape(layer, scheme.block, weight.full_shape)
+        rows_per_scale = weight.full_shape[0] // scale.full_shape[0]
+        if hasattr(weight, "packed_parts"):
+            for part, rows in weight.packed_parts.items():
+                if rows % (rows_per_scale * tp_size()):
+                    raise ValueError(f"packed part {part!r} of {rows} rows does not divide into "
+                                     f"{rows_per_scale}-row FP8 scale blocks on each of {tp_size()} ranks")
+            scale.packed_parts = {part: rows // rows_per_scale for part, rows in weight.packed_parts.items()}
+        layer.weight_scale = scale
+    # HF `fp8` checkpoints name the scale `weight_scale_inv` (a multiplier despite the name).
+    model.checkpoint_renames = {**getattr(model, "checkpoint_renames", {}), ".weight_scale_inv": ".weight_scale"}
+
+
+@torch.no_grad()
+def finish_fp8(model: nn.Module, scheme: Fp8Scheme) -> None:
+    """After loading: quantize the weights loaded in the model dtype, one layer at a time (each layer's
+    model-dtype copy is freed as soon as it is quantized)."""
+    if scheme.in_checkpoint:
+        return
+    for _, layer in fp8_layers(model):
+        weight = layer.weight
+        block = scheme.block or (1, weight.shape[1])
+        _scale_shape(layer, scheme.block, tuple(weight.shape))  # the same divisibility error as from a checkpoint
+        q, scale = quantize(weight, block)
+        _replace_weight(layer, q)
+        layer.weight_scale = nn.Parameter(scale, requires_grad=False)
+        layer.fp8 = scheme
