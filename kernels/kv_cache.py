@@ -30,7 +30,7 @@ def _store_kvcache_kernel(k, v, k_cache, v_cache, slot_mapping, k_inv_scale, v_i
     mask = offs_h < NUM_KV_HEADS
     key = tl.load(k + token * stride_kt + offs_h * stride_kh + offs_d, mask=mask)
     value = tl.load(v + token * stride_vt + offs_h * stride_vh + offs_d, mask=mask)
-    if FP8_MAX:  # an FP8 cache: scale and saturate before the cast (e4m3 has no infinity)
+    if FP8_MAX > 0.0:  # an FP8 cache: scale and saturate before the cast (e4m3 has no infinity)
         key = tl.clamp(key.to(tl.float32) * k_inv_scale, -FP8_MAX, FP8_MAX)
         value = tl.clamp(value.to(tl.float32) * v_inv_scale, -FP8_MAX, FP8_MAX)
     tl.store(k_cache + block * stride_kcb + offset * stride_kcs + offs_h * stride_kch + offs_d,

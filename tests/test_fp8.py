@@ -355,21 +355,33 @@ def test_checkpoint_dtype_must_match_its_declared_layout(tiny_model_dirs, tmp_pa
 @pytest.mark.parametrize("fmt", ["quantized-at-load", "fp8"])
 def test_gpu_fp8_engine_matches_the_cpu_reference(fmt, tiny_model_dirs, tmp_path):
     """In float32 the GPU's FP8 kernels (per channel; block-scaled from a checkpoint) and the CPU reference apply
-    the same rule: the same greedy tokens. In bf16 (fused ops, CUDA graphs) the FP8 engine runs and its first
-    greedy token matches the unquantized bf16 engine's on most prompts."""
+    the same rule: their prompt logprobs differ by a small fraction of what the quantization itself moves them
+    (summation order can still flip an activation's FP8 rounding, so greedy runs may part at near-ties). In bf16
+    (fused ops, CUDA graphs) the FP8 engine runs and its first greedy token matches the unquantized bf16
+    engine's on most prompts."""
     if fmt == "fp8":
         directory, quantization = tmp_path / "ckpt", None
         _write_fp8_checkpoint(tiny_model_dirs["qwen3"], directory, fmt)
     else:
         directory, quantization = tiny_model_dirs["qwen3"], "fp8"
+
+    def prompt_logprobs(path, quantization, **engine) -> torch.Tensor:
+        with LLM(str(path), quantization=quantization, num_kv_blocks=32, max_model_len=64, **engine) as llm:
+            outputs = llm.generate(GPU_PROMPTS, SamplingParams(max_tokens=1, prompt_logprobs=0))
+        return torch.tensor([out.prompt_logprobs[i][prompt[i]].logprob
+                             for out, prompt in zip(outputs, GPU_PROMPTS) for i in range(1, len(prompt))])
+
+    reference = prompt_logprobs(directory, quantization, device="cpu")
+    gpu = prompt_logprobs(directory, quantization, device="cuda", dtype="float32", attention_backend="torch")
+    unquantized = prompt_logprobs(tiny_model_dirs["qwen3"], None, device="cpu")
+    quantization_effect = (reference - unquantized).abs().max().item()
+    gpu_error = (gpu - reference).abs().max().item()
+    print(f"fp8 GPU vs CPU reference: {gpu_error:.5f}; quantization effect {quantization_effect:.5f}")
+    assert quantization_effect > 0 and gpu_error <= 0.25 * quantization_effect
+
     greedy = SamplingParams(max_tokens=8, temperature=0)
-
-    def generate(**engine):
-        with LLM(str(directory), quantization=quantization, num_kv_blocks=32, max_model_len=64, **engine) as llm:
-            return [o.outputs[0].token_ids for o in llm.generate(GPU_PROMPTS, greedy)]
-
-    assert generate(device="cuda", dtype="float32", attention_backend="torch") == generate(device="cpu")
-    fp8_bf16 = generate(device="cuda", dtype="bfloat16")
+    with LLM(str(directory), quantization=quantization, num_kv_blocks=32, max_model_len=64, dtype="bfloat16") as llm:
+        fp8_bf16 = [o.outputs[0].token_ids for o in llm.generate(GPU_PROMPTS, greedy)]
     with LLM(str(tiny_model_dirs["qwen3"]), num_kv_blocks=32, max_model_len=64, dtype="bfloat16") as llm:
         plain = [o.outputs[0].token_ids for o in llm.generate(GPU_PROMPTS, greedy)]
     assert sum(a[0] == b[0] for a, b in zip(fp8_bf16, plain)) >= 3

@@ -1,8 +1,10 @@
-"""The sampling kernels compile for sm_90 (Hopper), even on a machine without a GPU.
+"""Kernels compile for sm_90 (Hopper), even on a machine without a GPU: sampling, and the KV store into 16-bit
+and FP8 caches.
 
 Triton's interpreter, which runs the kernel tests on the CPU, accepts code that the compiler rejects (a module
 global that is not a constexpr, a variable whose type changes inside a branch): compiling ahead of time with
-Triton's bundled ptxas catches those before a GPU run does."""
+Triton's bundled ptxas catches those before a GPU run does (the FP8 store once branched on a float constexpr,
+which only the compiler rejects)."""
 import os
 import subprocess
 import sys
@@ -19,6 +21,7 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+import nanovllm.kernels.kv_cache as K
 import nanovllm.kernels.sampling as S
 
 def build(fn, signature, constexprs, num_warps, aligned):
@@ -38,11 +41,17 @@ for kernel in (S._sample_kernel, S._sample_wide_kernel):
 stats_args = ["logits", "stride", "token_ids", "out_logprob", "out_rank", "vocab"]
 signature = dict(zip(stats_args, ["*bf16", "i32", "*i64", "*fp32", "*i64", "i32"]), BLOCK="constexpr")
 build(S._logprob_stats_kernel, signature, {"BLOCK": 4096}, 8, stats_args)
+store_args = K._store_kvcache_kernel.arg_names[:17]
+for cache, fp8_max in (("*bf16", 0.0), ("*fp8e4nv", 448.0), ("*fp8e5", 57344.0)):
+    signature = dict(zip(store_args, ["*bf16", "*bf16", cache, cache, "*i64", "fp32", "fp32"] + ["i32"] * 10))
+    constexprs = {"NUM_KV_HEADS": 8, "BLOCK_H": 8, "HEAD_DIM": 128, "PAGE": 16, "FP8_MAX": fp8_max, "PDL": False}
+    signature.update(dict.fromkeys(constexprs, "constexpr"))
+    build(K._store_kvcache_kernel, signature, constexprs, 4, [])
 print("compiled")
 """
 
 
-def test_sampling_kernels_compile_for_hopper():
+def test_kernels_compile_for_hopper():
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     if not ptxas.exists():
         pytest.skip("Triton's NVIDIA backend has no bundled ptxas here")
