@@ -337,15 +337,16 @@ def test_choose_num_splits():
 # The kernels read FP8 K/V converted to q's type in registers (exact: every FP8 value is a 16-bit float), with the K
 # scale folded into the softmax scale and the V scale applied to the output; the reference dequantizes to fp32. Both
 # see the same FP8 values, so they agree within q's type's TOLERANCE. Against exact attention over the values before
-# rounding the error is the quantization's own, bounded by FP8_ATTENTION_ERROR (relative L2 on N(0, 1) inputs; about
-# 0.017 for e4m3 and 0.034 for e5m2 here: docs/FP8.md).
+# rounding the error is the quantization's own, bounded by FP8_ATTENTION_ERROR (relative L2 on N(0, 1) inputs: about
+# 0.017 for e4m3 and 0.034 for e5m2 on the CPU, where the new K/V are snapped to the grid; 0.036-0.038 and
+# 0.071-0.074 on the H100's real shapes, where every value is rounded: docs/FP8.md).
 # Triton's interpreter rounds wrongly when it casts to FP8 (a mantissa carry is lost: 1.97 -> 1.0; ties do not go to
 # even) and reads FP8 NaN/inf bit patterns as numbers: on the CPU the step's new K/V are snapped to values the cast
 # stores exactly (Batch) and the scales are powers of two; on a GPU (hardware cvt.rn.satfinite) the store is checked
 # bit for bit on arbitrary values with scales that are not powers of two.
 
 FP8_DTYPES = [pytest.param(torch.float8_e4m3fn, id="e4m3"), pytest.param(torch.float8_e5m2, id="e5m2")]
-FP8_ATTENTION_ERROR = {torch.float8_e4m3fn: 0.035, torch.float8_e5m2: 0.07}
+FP8_ATTENTION_ERROR = {torch.float8_e4m3fn: 0.05, torch.float8_e5m2: 0.1}
 FP8_SCALES = dict(k_scale=0.5, v_scale=2.0) if DEVICE.type == "cpu" else dict(k_scale=0.37, v_scale=1.7)
 
 

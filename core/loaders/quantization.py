@@ -99,10 +99,7 @@ def fp8_scheme(quantization: str | None, resolved: ResolvedModel, device: torch.
         if has_experts and in_checkpoint:
             raise ValueError("FP8 checkpoints of mixture-of-experts models are not supported (nanovllm keeps the "
                              "experts in bf16): load the bf16 checkpoint with quantization='fp8'")
-    elif quantization == "fp8":
-        if resolved.gguf:
-            raise ValueError("quantization='fp8' cannot apply to a GGUF checkpoint (its weights are GGUF-quantized "
-                             "already): use the model's HF safetensors checkpoint, or drop quantization")
+    elif quantization == "fp8":  # a GGUF file too: it loads dequantized, in the model dtype
         scheme = Fp8Scheme(None, False, "fp8 (quantized at load, per channel)")
     else:
         return None
