@@ -11,7 +11,7 @@ from nanovllm_cli import options as o
 from nanovllm_cli.options import EngineOptions, with_engine_options
 
 
-@with_engine_options("model", "block_size", "kv_cache_gib", "gpu_memory_utilization", "dtype", "device",
+@with_engine_options("model", "revision", "block_size", "kv_cache_gib", "gpu_memory_utilization", "dtype", "device",
                      "max_model_len")
 def inspect_cache(
     input_path: Annotated[Path, typer.Argument(
