@@ -187,7 +187,8 @@ def run_on_ray(job: RayJob) -> dict:
     # every CPU of a small cluster, and a read waiting for one would wait forever.
     records = (ray.data.from_items([vars(f) for f in files])
                .flat_map(file_rows, num_cpus=0)
-               .map_batches(LLMProcessor, batch_size=job.window, batch_format="pyarrow", concurrency=job.replicas,
+               .map_batches(LLMProcessor, batch_size=job.window, batch_format="pyarrow",
+                            compute=ray.data.ActorPoolStrategy(size=job.replicas),
                             num_gpus=(job.engine.tensor_parallel_size or 1) if gpus else 0,
                             fn_constructor_kwargs={"model": model, "engine_args": engine_args, "sampling": job.sampling,
                                                    "seed": job.seed, "openai": layout.openai,

@@ -1,7 +1,7 @@
 """`LLMProcessor`: one engine per Ray actor, for `ray.data.Dataset.map_batches`.
 
     ds.map_batches(LLMProcessor, fn_constructor_kwargs={"model": "Qwen/Qwen3-0.6B"},
-                   concurrency=4, num_gpus=1, batch_size=256, batch_format="pyarrow")
+                   compute=ray.data.ActorPoolStrategy(size=4), num_gpus=1, batch_size=256, batch_format="pyarrow")
 
 A batch's rows are `nanovllm run`'s rows (prompt / messages / prompt_token_ids / an OpenAI batch line, sampling
 fields, an id), parsed by its `RowParser` and run by its `BatchRunner` (prefix-aware admission within the batch);

@@ -50,7 +50,8 @@ def test_processor_on_a_dataset_matches_nanovllm_run(cluster, text_model, tmp_pa
     by_id = cli_records(text_model, write_jsonl(tmp_path / "rows.jsonl", rows), tmp_path)
     expected = [by_id[row.get("id", "7")] for row in rows]
     records = (ray.data.from_items(rows)
-               .map_batches(LLMProcessor, batch_size=3, batch_format="pyarrow", concurrency=2,
+               .map_batches(LLMProcessor, batch_size=3, batch_format="pyarrow",
+                            compute=ray.data.ActorPoolStrategy(size=2),
                             fn_constructor_kwargs={"model": text_model, "engine_args": ENGINE,
                                                    "sampling": {"max_tokens": 4}})
                .take_all())  # Ray keeps the rows' order
