@@ -5,7 +5,8 @@
 # per-expert loop, then bench on the Qwen3-30B-A3B shape.
 # Everything lands under $OUT (logs + JSON). Stages: tests, kernels, gemm, model, host, bench, sampling, peers
 # (default: all); tp (two GPUs: the TP=2 GPU test, then bench at TP=1 and TP=2) and structured (structured
-# outputs: GPU tests, bench_structured, bench --structured; needs carried wheels, see the stage) are only run
+# outputs: GPU tests, bench_structured, bench --structured; needs carried wheels, see the stage) and ray
+# (run --ray, one engine per GPU, against run on the same rows; needs the ray[data] wheels) are only run
 # when named.
 set -uo pipefail
 OUT=${OUT:-/tmp/nanovllm-gpu}
@@ -54,6 +55,24 @@ for stage in $STAGES; do
     moe)     python3 scripts/bench_moe.py --out "$OUT/bench_moe.jsonl" 2>"$OUT/bench_moe.err"; rc=$?
              nanovllm bench --model qwen3-30b-a3b --load-format dummy --json \
                > "$OUT/bench_qwen3_30b_a3b.json" 2>"$OUT/bench_qwen3_30b_a3b.err" || rc=1 ;;
+    ray)     # run --ray with one engine (Ray actor) per GPU, then plain run on the same rows: every id answered once
+             # without error; texts compared (bf16 greedy may differ where batches differ, so counted, not required)
+             nanovllm run samples/prompts.jsonl --ray --ray-replicas "$(nvidia-smi -L | wc -l)" --overwrite -q --json \
+               -o "$OUT/ray_results.jsonl" > "$OUT/ray_summary.json" 2>"$OUT/ray.err"; rc=$?
+             nanovllm run samples/prompts.jsonl -o "$OUT/ray_reference.jsonl" --overwrite -q --json \
+               > "$OUT/ray_reference_summary.json" 2>"$OUT/ray_reference.err" || rc=1
+             python3 - "$OUT/ray_reference.jsonl" "$OUT/ray_results.jsonl" > "$OUT/ray_compare.json" <<'PY' || rc=1
+import json, pathlib, sys
+reference = {r["id"]: r for r in map(json.loads, open(sys.argv[1]))}
+shards = sorted(pathlib.Path(sys.argv[2]).glob("*.jsonl"))
+ray = [json.loads(line) for shard in shards for line in open(shard)]
+by_id = {r["id"]: r for r in ray}
+ok = len(ray) == len(by_id) and by_id.keys() == reference.keys() and all(r["error"] is None for r in ray)
+print(json.dumps({"rows": len(reference), "ray_records": len(ray), "shards": len(shards), "ids_match": ok,
+                  "same_text": sum(by_id[i]["text"] == r["text"] for i, r in reference.items() if i in by_id)}))
+sys.exit(0 if ok else 1)
+PY
+             ;;
     peers)   python3 scripts/bench_peers.py --model qwen3-0.6b --output-len 512 \
                > "$OUT/bench_peers.json" 2>"$OUT/bench_peers.err"; rc=$? ;;
     *) echo "unknown stage $stage"; exit 2 ;;
