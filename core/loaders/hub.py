@@ -7,6 +7,7 @@ cannot be reached, the cached snapshot of the revision is used; absent, the erro
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -47,11 +48,18 @@ def snapshot_dir(repo_id: str, revision: str | None, load_format: str) -> Path:
         RepositoryNotFoundError,
         RevisionNotFoundError,
     )
+    from huggingface_hub.file_download import REGEX_COMMIT_HASH
 
     patterns = CONFIG_FILES + ([] if load_format == "dummy" else WEIGHT_FILES)
     at = f"{repo_id!r} at revision {revision or 'main'!r}"
     no_hub = offline()
     try:
+        if revision is not None and REGEX_COMMIT_HASH.fullmatch(revision) and not no_hub:
+            # A commit never changes: its cached snapshot needs no Hub (without network, asking it costs ~20 s of
+            # retries on every node).
+            with contextlib.suppress(LocalEntryNotFoundError):
+                return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns,
+                                              local_files_only=True))
         return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns, local_files_only=no_hub))
     except LocalEntryNotFoundError as exc:  # also a partial snapshot (IncompleteSnapshotError)
         why = "HF_HUB_OFFLINE is set" if no_hub else "the Hugging Face Hub cannot be reached"
