@@ -7,6 +7,7 @@ counted, so row numbers are line numbers.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -46,7 +47,7 @@ def drop_nulls(value: object) -> object:
 def iter_rows(source: Path | BinaryIO, fmt: str) -> Iterator[tuple[int, object]]:
     """The rows of a file, given by its path or as an open binary file (e.g. an fsspec one)."""
     if fmt == "jsonl":
-        with open(source, "rb") if isinstance(source, Path) else nullcontext(source) as f:
+        with open(source, "rb") if isinstance(source, (str, os.PathLike)) else nullcontext(source) as f:
             for number, line in enumerate(f, 1):
                 if not line.strip():
                     continue

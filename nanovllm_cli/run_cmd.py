@@ -55,7 +55,8 @@ def run(
         "--reorder/--no-reorder", help="Prefix-aware admission inside the read-ahead window, or file order.",
         rich_help_panel=IO)] = True,
     window: Annotated[int, typer.Option(
-        help="Rows read ahead of the engine: the reordering window, and what bounds memory.", min=1,
+        help="Rows read ahead of the engine: the reordering window, and what bounds memory (with --ray: the rows of "
+        "each batch an engine runs).", min=1,
         rich_help_panel=IO)] = 1024,
     quiet: Annotated[bool, typer.Option(
         "--quiet", "-q", help="No progress and no summary table (errors still go to stderr).",

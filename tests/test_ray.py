@@ -5,13 +5,15 @@ exactly): the Ray path reuses its row parser, runner and record builder, and the
 """
 import json
 import socket
+import sys
 
 import pyarrow.parquet as pq
 import pytest
 
-NO_RAY = "Ray Data is not installed: pip install 'nanovllm[ray]' (make install does it)"
-ray = pytest.importorskip("ray", reason=NO_RAY)
-pytest.importorskip("ray.data", reason=NO_RAY)
+# Skipped only where Ray is not installed; a Ray without its Data extra fails here, saying what to install.
+pytest.importorskip("ray", reason="Ray is not installed: pip install 'nanovllm[ray]' (make install does it)")
+import ray  # noqa: E402
+import ray.data  # noqa: E402
 from test_cli_run import invoke, write_jsonl, write_parquet  # noqa: E402
 
 from nanovllm_cli.ray_processor import LLMProcessor  # noqa: E402
@@ -137,3 +139,9 @@ def test_run_ray_rejects_what_it_does_not_support(tmp_path, args, message):
     path = write_jsonl(tmp_path / "in.jsonl", ROWS[:1])
     result = invoke("run", path, *[str(a).format(tmp=tmp_path) for a in args])
     assert result.exit_code == 2 and message in result.stderr, result.stderr
+
+
+def test_run_ray_without_ray_data_says_how_to_install_it(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray.data", None)  # as where Ray is not installed
+    result = invoke("run", write_jsonl(tmp_path / "in.jsonl", ROWS[:1]), "--ray", "-o", tmp_path / "out.jsonl")
+    assert result.exit_code == 2 and "--ray needs Ray Data: pip install 'nanovllm[ray]'" in result.stderr
