@@ -127,12 +127,19 @@ def output_format(output: str) -> str:
     return fmt
 
 
-def check_output(output: str, overwrite: bool) -> None:
+def check_output(output: str, overwrite: bool, input_uri: str) -> None:
+    """OUTPUT is a directory, empty or absent (or to be replaced), and not inside a directory INPUT (a later run
+    would read its shards as input)."""
     import fsspec
 
     fs, path = fsspec.core.url_to_fs(output)
     if fs.isfile(path):
         raise ValueError(f"OUTPUT {output} is a file; with --ray OUTPUT is a directory of shards")
+    in_fs, in_path = fsspec.core.url_to_fs(input_uri)
+    if type(in_fs) is type(fs) and in_fs.isdir(in_path) and (path.rstrip("/") + "/").startswith(
+            in_path.rstrip("/") + "/"):
+        raise ValueError(f"OUTPUT {output} lies inside INPUT {input_uri}: its shards would be read as input by a "
+                         "later run; write it elsewhere")
     if fs.isdir(path) and fs.ls(path) and not overwrite:
         raise ValueError(f"OUTPUT {output} already holds files: add --overwrite to replace them (--resume is not "
                          "supported with --ray)")
@@ -165,7 +172,7 @@ def run_on_ray(job: RayJob) -> dict:
     try:
         out_format = output_format(job.output)
         files = list_input_files(job.input, job.input_format)
-        check_output(job.output, job.overwrite)
+        check_output(job.output, job.overwrite, job.input)
         engine_args = job.engine.args()
         openai = first_row_is_openai(files)
     except (ValueError, OSError) as exc:

@@ -134,6 +134,7 @@ def test_a_node_without_the_model_path_is_named(cluster, tmp_path):
     (["--ray-replicas", 2, "-o", "{tmp}/out.jsonl"], "--ray-address/--ray-replicas without --ray"),
     (["--ray", "-o", "{tmp}/out.csv"], "named *.parquet or *.jsonl"),
     (["--ray"], "--ray needs -o OUTPUT"),
+    (["--ray", "-o", "{tmp}/in.jsonl"], "is a file; with --ray OUTPUT is a directory"),
 ])
 def test_run_ray_rejects_what_it_does_not_support(tmp_path, args, message):
     path = write_jsonl(tmp_path / "in.jsonl", ROWS[:1])
@@ -145,3 +146,9 @@ def test_run_ray_without_ray_data_says_how_to_install_it(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray.data", None)  # as where Ray is not installed
     result = invoke("run", write_jsonl(tmp_path / "in.jsonl", ROWS[:1]), "--ray", "-o", tmp_path / "out.jsonl")
     assert result.exit_code == 2 and "--ray needs Ray Data: pip install 'nanovllm[ray]'" in result.stderr
+
+
+def test_run_ray_refuses_an_output_inside_a_directory_input(tmp_path):
+    write_jsonl(tmp_path / "in.jsonl", ROWS[:1])
+    result = invoke("run", tmp_path, "--ray", "-o", tmp_path / "results.jsonl")
+    assert result.exit_code == 2 and "lies inside INPUT" in result.stderr, result.stderr
