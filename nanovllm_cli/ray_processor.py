@@ -3,6 +3,7 @@
     ds.map_batches(LLMProcessor, fn_constructor_kwargs={"model": "Qwen/Qwen3-0.6B"},
                    compute=ray.data.ActorPoolStrategy(size=4), num_gpus=1, batch_size=256, batch_format="pyarrow")
 
+(Arrow batches only: numpy and pandas ones turn integers that some rows lack into floats.)
 A batch's rows are `nanovllm run`'s rows (prompt / messages / prompt_token_ids / an OpenAI batch line, sampling
 fields, an id), parsed by its `RowParser` and run by its `BatchRunner` (prefix-aware admission within the batch);
 the batch returned holds `nanovllm run`'s records, in the rows' order, built by its `RecordBuilder`. A bad row
@@ -191,11 +192,11 @@ class LLMProcessor:
 
 
 def _batch_rows(batch) -> list[dict]:
-    """The rows of a batch in any of Ray's batch formats: pyarrow, pandas or a dict of numpy columns."""
+    """The rows of a batch, which must be Arrow: numpy and pandas batches turn an integer field that some rows
+    lack (`max_tokens`, `seed`) into floats, which the row parser would rightly refuse."""
     import pyarrow as pa
 
-    if isinstance(batch, pa.Table):
-        return batch.to_pylist()
-    if isinstance(batch, dict):
-        return pa.table({k: pa.array(list(v)) for k, v in batch.items()}).to_pylist()
-    return pa.Table.from_pandas(batch, preserve_index=False).to_pylist()
+    if not isinstance(batch, pa.Table):
+        raise TypeError(f"LLMProcessor takes Arrow batches, not {type(batch).__name__}: pass batch_format=\"pyarrow\" "
+                        "to map_batches (numpy and pandas batches turn integers that some rows lack into floats)")
+    return batch.to_pylist()

@@ -16,7 +16,7 @@ import ray  # noqa: E402
 import ray.data  # noqa: E402
 from test_cli_run import invoke, write_jsonl, write_parquet  # noqa: E402
 
-from nanovllm_cli.ray_processor import LLMProcessor  # noqa: E402
+from nanovllm_cli.ray_processor import LLMProcessor, _batch_rows  # noqa: E402
 from nanovllm_cli.records import PLAIN_FIELDS  # noqa: E402
 
 ENGINE = {"max_model_len": 256, "cpu_kv_cache_bytes": 32 << 20}
@@ -152,3 +152,11 @@ def test_run_ray_refuses_an_output_inside_a_directory_input(tmp_path):
     write_jsonl(tmp_path / "in.jsonl", ROWS[:1])
     result = invoke("run", tmp_path, "--ray", "-o", tmp_path / "results.jsonl")
     assert result.exit_code == 2 and "lies inside INPUT" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("batch_format", ["numpy", "pandas"])
+def test_processor_refuses_batches_that_lose_integer_types(cluster, batch_format):
+    rows = [{"id": "a", "prompt": "x", "max_tokens": 3}, {"id": "b", "prompt": "y"}]  # max_tokens: 3.0 in numpy
+    batch = next(iter(ray.data.from_items(rows).iter_batches(batch_size=2, batch_format=batch_format)))
+    with pytest.raises(TypeError, match='pass batch_format="pyarrow" to map_batches'):
+        _batch_rows(batch)
