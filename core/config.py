@@ -31,6 +31,7 @@ class EngineConfig:
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
     load_format: str = "auto"
+    revision: str | None = None  # of a Hugging Face Hub model id: a branch, tag or commit (default: main)
     async_scheduling: bool = False
     attention_backend: str | None = None
     # "fp8": FP8 weights for the decoder's linear layers (layers/fp8.py); an FP8 checkpoint needs no argument.
@@ -79,6 +80,8 @@ class EngineConfig:
               f"must be one of {sorted(q for q in _QUANTIZATIONS if q)} (or None)")
         check(self.device in (None, "cpu", "cuda"), "device", "must be 'cpu' or 'cuda'")
         check(isinstance(self.seed, int), "seed", "must be an integer")
+        check(self.revision is None or (isinstance(self.revision, str) and self.revision != ""), "revision",
+              "must be a non-empty branch, tag or commit name")
         check(isinstance(self.fused_ops, bool), "fused_ops", "must be True or False")
 
     def resolve_device(self) -> torch.device:

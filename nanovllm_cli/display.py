@@ -125,8 +125,9 @@ def _pct(value: float | None) -> str:
 
 
 def summary_rows(summary: dict) -> list[tuple[str, str]]:
-    """The figures of the summary table; GPU figures only when the engine ran on a GPU (docs/ARCHITECTURE.md)."""
-    engine = summary["engine"]
+    """The figures of the summary table; GPU figures only when the engine ran on a GPU (docs/ARCHITECTURE.md), the
+    engine's figures only when it ran in this process (not with --ray)."""
+    engine = summary.get("engine")
     rows = [
         ("output", f"{summary['output']} ({summary['output_format']})"),
         ("model", summary["model"]),
@@ -138,6 +139,10 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
         ("elapsed", f"{_fmt(summary['elapsed_s'], ' s')} ({_fmt(summary['rows_per_s'])} rows/s)"),
         ("output / prefill tok/s (job)",
          f"{_fmt(summary['output_tok_s'])} / {_fmt(summary['prefill_tok_s'])}"),
+    ]
+    if engine is None:
+        return [*rows, ("exit code", str(summary["exit_code"]))]
+    rows += [
         ("engine", f"{engine['device']}, {engine['loop']}, {engine['steps']:,} steps, {engine['preemptions']} preempted"),
         ("output / prefill tok/s (engine steps)",
          f"{_fmt(engine['output_tok_s'])} / {_fmt(engine['prefill_tok_s'])}"),

@@ -32,8 +32,10 @@ class EngineOptions:
     `@with_engine_options(...)` and receives them as one `engine: EngineOptions` argument."""
 
     model: Annotated[str | None, typer.Option(
-        "--model", "-m", help="HF checkpoint dir, .gguf file or preset (qwen3-0.6b, tiny-qwen3, ...). "
-        "Default: the embedded SmolLM2-135M-Instruct.", rich_help_panel=ENGINE)] = None
+        "--model", "-m", help="HF checkpoint dir, .gguf file, preset (qwen3-0.6b, tiny-qwen3, ...) or Hugging Face "
+        "Hub id (Qwen/Qwen3-0.6B). Default: the embedded SmolLM2-135M-Instruct.", rich_help_panel=ENGINE)] = None
+    revision: Annotated[str | None, typer.Option(
+        help="Branch, tag or commit of a Hub model id (default: main).", rich_help_panel=ENGINE)] = None
     dtype: Annotated[str | None, typer.Option(
         help="auto | float32 | float16 | bfloat16 (auto: bf16 on GPU, fp32 on CPU).", rich_help_panel=ENGINE)] = None
     kv_cache_dtype: Annotated[str | None, typer.Option(
@@ -94,6 +96,7 @@ class EngineOptions:
                 "gpu_memory_utilization": self.gpu_memory_utilization,
                 "tensor_parallel_size": self.tensor_parallel_size, "load_format": self.load_format,
                 "quantization": self.quantization,
+                "revision": self.revision,
                 "block_size": self.block_size, "num_kv_blocks": self.num_kv_blocks, "device": self.device,
                 "attention_backend": self.attention_backend, "seed": seed,
                 "cpu_kv_cache_bytes": None if self.kv_cache_gib is None else max(int(self.kv_cache_gib * (1 << 30)), 1),

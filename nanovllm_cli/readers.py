@@ -7,9 +7,12 @@ counted, so row numbers are line numbers.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 FORMATS = ("jsonl", "parquet")
 _SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet"}
@@ -32,18 +35,19 @@ def detect_format(path: Path, override: str | None) -> str:
     return fmt
 
 
-def _drop_nulls(value: object) -> object:
+def drop_nulls(value: object) -> object:
     """Parquet gives every row every column: a null is an absent field."""
     if isinstance(value, dict):
-        return {k: _drop_nulls(v) for k, v in value.items() if v is not None}
+        return {k: drop_nulls(v) for k, v in value.items() if v is not None}
     if isinstance(value, list):
-        return [_drop_nulls(v) for v in value]
+        return [drop_nulls(v) for v in value]
     return value
 
 
-def iter_rows(path: Path, fmt: str) -> Iterator[tuple[int, object]]:
+def iter_rows(source: Path | BinaryIO, fmt: str) -> Iterator[tuple[int, object]]:
+    """The rows of a file, given by its path or as an open binary file (e.g. an fsspec one)."""
     if fmt == "jsonl":
-        with open(path, "rb") as f:
+        with open(source, "rb") if isinstance(source, (str, os.PathLike)) else nullcontext(source) as f:
             for number, line in enumerate(f, 1):
                 if not line.strip():
                     continue
@@ -55,7 +59,7 @@ def iter_rows(path: Path, fmt: str) -> Iterator[tuple[int, object]]:
     import pyarrow.parquet as pq
 
     number = 0
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+    for batch in pq.ParquetFile(source).iter_batches(batch_size=1024):
         for row in batch.to_pylist():
             number += 1
-            yield number, _drop_nulls(row)
+            yield number, drop_nulls(row)

@@ -83,9 +83,9 @@ def _type_name(value: object) -> str:
     return names.get(type(value), type(value).__name__)
 
 
-def _row_id(value: object, number: int) -> str:
+def _row_id(value: object, default: str) -> str:
     if value is None:
-        return str(number)
+        return default
     if isinstance(value, bool) or not isinstance(value, (str, int)):
         raise RowProblem(f"the id must be a string or an integer, not {_type_name(value)}")
     if value == "":
@@ -100,7 +100,7 @@ def row_id(number: int, row: object) -> str:
     if not isinstance(row, dict):
         return str(number)
     try:
-        return _row_id(row.get("custom_id" if is_openai_row(row) else "id"), number)
+        return _row_id(row.get("custom_id" if is_openai_row(row) else "id"), str(number))
     except RowProblem:
         return str(number)
 
@@ -253,25 +253,28 @@ def _openai_fields(row: dict) -> tuple[str, object, dict, dict]:
 
 
 class RowParser:
-    """Parses rows against the command-line sampling defaults."""
+    """Parses rows against the command-line sampling defaults. `source` names the file of the rows where an input
+    has several: it leads each row's place ("a.jsonl line 7") and the id of a row without one ("a.jsonl:7")."""
 
-    def __init__(self, sampling_defaults: dict, base_seed: int, label: str):
+    def __init__(self, sampling_defaults: dict, base_seed: int, label: str, source: str | None = None):
         self.defaults = sampling_defaults
         self.base_seed = base_seed
-        self.label = label  # "line" or "row"
+        self.label = f"{source} {label}" if source else label  # "line" or "row"
+        self.id_prefix = f"{source}:" if source else ""
 
     def parse(self, number: int, row: object) -> RowRequest | RowError:
         where = f"{self.label} {number}"
+        default_id = f"{self.id_prefix}{number}"
         if isinstance(row, InvalidJson):
-            return RowError(str(number), where, row.message)
+            return RowError(default_id, where, row.message)
         if not isinstance(row, dict):
-            return RowError(str(number), where, f"a row must be a JSON object, not {_type_name(row)}")
+            return RowError(default_id, where, f"a row must be a JSON object, not {_type_name(row)}")
         openai = is_openai_row(row)
         endpoint = (_openai_endpoint(row) or "chat") if openai else None
         try:
-            row_id = _row_id(row.get("custom_id" if openai else "id"), number)
+            row_id = _row_id(row.get("custom_id" if openai else "id"), default_id)
         except RowProblem as exc:
-            return RowError(str(number), where, str(exc), endpoint)
+            return RowError(default_id, where, str(exc), endpoint)
         if _has_lone_surrogate(row):
             return RowError(row_id, where, "the row holds text that is not valid Unicode (a lone surrogate "
                             "escape such as \\ud800)", endpoint)

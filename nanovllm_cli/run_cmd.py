@@ -25,15 +25,16 @@ if TYPE_CHECKING:  # the engine imports torch: not needed for `--help`
     from nanovllm_cli.writers import Answered
 
 IO = "Input and output"
+RAY = "Ray cluster"
 
 
 @with_engine_options()
 def run(
-    input_path: Annotated[Path, typer.Argument(
-        metavar="INPUT", help="Rows to run: .jsonl or .parquet.", exists=True, dir_okay=False, readable=True)],
-    output: Annotated[Path | None, typer.Option(
-        "--output", "-o", help="Results: .jsonl or .parquet (default: INPUT-stem.results.jsonl beside INPUT).",
-        rich_help_panel=IO)] = None,
+    input_path: Annotated[str, typer.Argument(
+        metavar="INPUT", help="Rows to run: .jsonl or .parquet (with --ray also a directory, a glob or a URI).")],
+    output: Annotated[str | None, typer.Option(
+        "--output", "-o", help="Results: .jsonl or .parquet (default: INPUT-stem.results.jsonl beside INPUT); with "
+        "--ray a directory of shards named *.parquet or *.jsonl.", rich_help_panel=IO)] = None,
     input_format: Annotated[str | None, typer.Option(
         help="jsonl | parquet (default: from the suffix).", rich_help_panel=IO)] = None,
     resume: Annotated[bool, typer.Option(
@@ -55,7 +56,8 @@ def run(
         "--reorder/--no-reorder", help="Prefix-aware admission inside the read-ahead window, or file order.",
         rich_help_panel=IO)] = True,
     window: Annotated[int, typer.Option(
-        help="Rows read ahead of the engine: the reordering window, and what bounds memory.", min=1,
+        help="Rows read ahead of the engine: the reordering window, and what bounds memory (with --ray: the rows of "
+        "each batch an engine runs).", min=1,
         rich_help_panel=IO)] = 1024,
     quiet: Annotated[bool, typer.Option(
         "--quiet", "-q", help="No progress and no summary table (errors still go to stderr).",
@@ -72,6 +74,14 @@ def run(
     seed: o.Seed = 0,
     stop: o.Stop = None,
     ignore_eos: o.IgnoreEos = False,
+    ray: Annotated[bool, typer.Option(
+        "--ray", help="Run on a Ray cluster with Ray Data (pip install 'nanovllm[ray]'): one engine per replica.",
+        rich_help_panel=RAY)] = False,
+    ray_address: Annotated[str | None, typer.Option(
+        help="The cluster to join (default: RAY_ADDRESS, else a local one).", rich_help_panel=RAY)] = None,
+    ray_replicas: Annotated[int | None, typer.Option(
+        help="Engines (Ray actors), each on --tensor-parallel-size GPUs (default 1).", min=1,
+        rich_help_panel=RAY)] = None,
     *,
     engine: EngineOptions,
 ) -> None:
@@ -109,7 +119,23 @@ def run(
     from nanovllm_cli.records import RecordLayout
     from nanovllm_cli.rows import RowParser
 
-    output = output or input_path.with_name(f"{input_path.stem}.results.jsonl")
+    defaults = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
+                "min_p": min_p, "stop": stop or [], "ignore_eos": ignore_eos}
+    if ray or ray_address is not None or ray_replicas is not None:
+        from nanovllm_cli.ray_job import ray_job
+
+        unsupported = {"--resume": resume, "--retry-failed": retry_failed, "--sync": sync,
+                       "--log-interval": log_interval != 10.0, "--ray-address/--ray-replicas without --ray": not ray,
+                       "--data-parallel-size (use --ray-replicas)": engine.data_parallel_size > 1}
+        summary = ray_job(input_path, output, input_format, engine, defaults, seed, unsupported,
+                          include_token_ids=include_token_ids, reorder=reorder, window=window,
+                          replicas=ray_replicas or 1, address=ray_address, overwrite=overwrite, quiet=quiet)
+        finish(summary, quiet, json_summary)
+    input_path = Path(input_path)
+    if not input_path.is_file():
+        raise o.fail(f"INPUT {input_path} " + ("is a directory: a directory or a glob needs --ray"
+                                               if input_path.is_dir() else "does not exist"))
+    output = Path(output) if output else input_path.with_name(f"{input_path.stem}.results.jsonl")
     if output.suffix.lower() not in (".jsonl", ".parquet"):
         raise o.fail(f"OUTPUT must end in .jsonl or .parquet, not {output.name!r}")
     try:
@@ -125,8 +151,6 @@ def run(
     if scan.rows == 0:
         typer.echo(f"{input_path} has no rows: nothing to do", err=True)
         raise typer.Exit(ExitCode.OK)
-    defaults = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
-                "min_p": min_p, "stop": stop or [], "ignore_eos": ignore_eos}
     try:
         SamplingParams(**defaults)
     except ValueError as exc:
@@ -151,14 +175,18 @@ def run(
                                     window=window, reorder=reorder, quiet=quiet, log_interval=log_interval)
     finally:
         lock.release()
-    summary = {"input": str(input_path), **summary}
+    finish({"input": str(input_path), **summary}, quiet, json_summary)
+
+
+def finish(summary: dict, quiet: bool, json_summary: bool) -> None:
+    """Print the summary (a table on stderr, and/or JSON on stdout) and exit with its code."""
     if not quiet:
         from nanovllm_cli.display import print_summary
 
         print_summary(summary)
     if json_summary:
         typer.echo(json.dumps(summary))
-    raise typer.Exit(code)
+    raise typer.Exit(summary["exit_code"])
 
 
 def prepare_output(output: Path, input_path: Path, layout: RecordLayout, lock: OutputLock,

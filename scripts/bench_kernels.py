@@ -7,6 +7,7 @@
 - prefill of 8 x 1024 new tokens: attention TFLOP/s (causal pairs only).
 `--sweep` also times a grid of tile configs (the decode grid at every block size, the prefill grid at the first);
 each output is compared with the default config's.
+`--kv-cache-dtype fp8` (or fp8_e5m2) stores the caches in FP8 (KV bytes counted at 1 per element).
 `--smoke` runs tiny shapes (under TRITON_INTERPRET=1 without CUDA) to check that the script works.
 
     python scripts/bench_kernels.py --sweep > bench_kernels.json
@@ -32,6 +33,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--copy-bandwidth", type=float, default=3.03e12, help="bytes/s, read + write counted")
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--sweep", action="store_true", help="also time a grid of kernel tile configs")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e5m2"), default="auto")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, a few repeats: checks the script runs")
     return parser.parse_args()
 
@@ -40,7 +42,7 @@ class Workload:
     """Random Q and a paged cache holding `context` tokens per sequence in shuffled blocks (an engine after churn)."""
 
     def __init__(self, contexts: list[int], new_tokens: list[int], heads: tuple[int, int, int], block_size: int,
-                 dtype: torch.dtype, device: torch.device, seed: int = 0):
+                 dtype: torch.dtype, device: torch.device, cache_dtype: torch.dtype | None = None, seed: int = 0):
         num_heads, num_kv_heads, head_dim = heads
         torch.manual_seed(seed)
         counts = [-(-n // block_size) for n in contexts]
@@ -51,15 +53,16 @@ class Workload:
             self.block_tables[i, :count] = ids[start:start + count]
             start += count
         shape = (sum(counts), block_size, num_kv_heads, head_dim)
-        self.k_cache = torch.randn(shape, dtype=dtype, device=device)
-        self.v_cache = torch.randn(shape, dtype=dtype, device=device)
+        cache_dtype = cache_dtype or dtype
+        self.k_cache = torch.randn(shape, dtype=dtype, device=device).to(cache_dtype)
+        self.v_cache = torch.randn(shape, dtype=dtype, device=device).to(cache_dtype)
         self.q = torch.randn(sum(new_tokens), num_heads, head_dim, dtype=dtype, device=device)
         self.seq_lens = torch.tensor(contexts, dtype=torch.int32, device=device)
         self.query_start_loc = torch.tensor([0, *itertools.accumulate(new_tokens)], dtype=torch.int32,
                                             device=device)
         self.max_query_len = max(new_tokens)
         self.scale = head_dim ** -0.5
-        self.kv_bytes = 2 * sum(contexts) * num_kv_heads * head_dim * dtype.itemsize
+        self.kv_bytes = 2 * sum(contexts) * num_kv_heads * head_dim * cache_dtype.itemsize
         self.causal_flops = sum(4 * num_heads * head_dim * (q * (n - q) + q * (q + 1) // 2)
                                 for n, q in zip(contexts, new_tokens))
 
@@ -144,8 +147,10 @@ def main() -> None:
         prefill_configs += [c for c in map(PrefillConfig._make, grid) if c != PrefillConfig()]
         if args.smoke:
             decode_configs, prefill_configs = decode_configs[:2], prefill_configs[:2]
+    cache_dtype = {"auto": dtype, "fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[args.kv_cache_dtype]
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)",
-              "dtype": str(dtype), "heads": heads, "copy_bandwidth": args.copy_bandwidth, "num_sms": num_sms,
+              "dtype": str(dtype), "kv_cache_dtype": str(cache_dtype), "heads": heads,
+              "copy_bandwidth": args.copy_bandwidth, "num_sms": num_sms,
               "decode": [], "decode_splits": [], "prefill": []}
 
     def decode(w: Workload, out: torch.Tensor, num_splits: int, config) -> torch.Tensor:
@@ -164,14 +169,15 @@ def main() -> None:
         return lambda seconds: {"tflops": flops / seconds / 1e12}
 
     for block_size in block_sizes:
-        w = Workload([decode_context] * decode_batch, [1] * decode_batch, heads, block_size, dtype, device)
+        w = Workload([decode_context] * decode_batch, [1] * decode_batch, heads, block_size, dtype, device,
+                     cache_dtype)
         run = functools.partial(decode, w, torch.empty_like(w.q), 1)
         for row in time_configs(run, decode_configs, repeats, bandwidth(w.kv_bytes)):
             report["decode"].append({"block_size": block_size, "batch": decode_batch, "context": decode_context,
                                      **row})
 
     for batch, context, split_counts in split_shapes:
-        w = Workload([context] * batch, [1] * batch, heads, 16, dtype, device)
+        w = Workload([context] * batch, [1] * batch, heads, 16, dtype, device, cache_dtype)
         chosen = choose_num_splits(batch, heads[1], context, num_sms)
         for num_splits in sorted({*split_counts, chosen}):
             run = functools.partial(decode, w, torch.empty_like(w.q), num_splits)
@@ -180,7 +186,8 @@ def main() -> None:
                                                 "num_splits": num_splits, "chosen": num_splits == chosen, **row})
 
     for block_size in block_sizes:
-        w = Workload([prefill_len] * prefill_seqs, [prefill_len] * prefill_seqs, heads, block_size, dtype, device)
+        w = Workload([prefill_len] * prefill_seqs, [prefill_len] * prefill_seqs, heads, block_size, dtype, device,
+                     cache_dtype)
         run = functools.partial(prefill, w, torch.empty_like(w.q))
         configs = prefill_configs if block_size == block_sizes[0] else prefill_configs[:1]
         for row in time_configs(run, configs, repeats, flop_rate(w.causal_flops)):

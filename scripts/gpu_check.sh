@@ -6,9 +6,10 @@
 # fp8bench: the Qwen3-8B shape, bf16 vs FP8 KV vs FP8 KV + weights (docs/FP8.md).
 # Everything lands under $OUT (logs + JSON). Stages: tests, kernels, gemm, model, host, bench, sampling, peers
 # (default: all); fp8, fp8bench, tp (two GPUs: the TP=2 GPU test, then bench at TP=1 and TP=2), dp (data
-# parallelism: two replicas sharing one GPU give one engine's records; on two GPUs bench at DP=1, DP=2 and TP=2)
-# and structured (structured outputs: GPU tests, bench_structured, bench --structured; needs carried wheels, see
-# the stage) are only run when named.
+# parallelism: two replicas sharing one GPU give one engine's records; on two GPUs bench at DP=1, DP=2 and TP=2),
+# structured (structured outputs: GPU tests, bench_structured, bench --structured; needs carried wheels, see the
+# stage) and ray (run --ray, one engine per GPU, against run on the same rows; needs the ray[data] wheels) are
+# only run when named.
 set -uo pipefail
 OUT=${OUT:-/tmp/nanovllm-gpu}
 mkdir -p "$OUT"
@@ -96,6 +97,24 @@ for stage in $STAGES; do
                    2>"$OUT/bench_qwen3_8b_${workload}_${variant%%:*}.err" || rc=1
                done
              done ;;
+    ray)     # run --ray with one engine (Ray actor) per GPU, then plain run on the same rows: every id answered once
+             # without error; texts compared (bf16 greedy may differ where batches differ, so counted, not required)
+             nanovllm run samples/prompts.jsonl --ray --ray-replicas "$(nvidia-smi -L | wc -l)" --overwrite -q --json \
+               -o "$OUT/ray_results.jsonl" > "$OUT/ray_summary.json" 2>"$OUT/ray.err"; rc=$?
+             nanovllm run samples/prompts.jsonl -o "$OUT/ray_reference.jsonl" --overwrite -q --json \
+               > "$OUT/ray_reference_summary.json" 2>"$OUT/ray_reference.err" || rc=1
+             python3 - "$OUT/ray_reference.jsonl" "$OUT/ray_results.jsonl" > "$OUT/ray_compare.json" <<'PY' || rc=1
+import json, pathlib, sys
+reference = {r["id"]: r for r in map(json.loads, open(sys.argv[1]))}
+shards = sorted(pathlib.Path(sys.argv[2]).glob("*.jsonl"))
+ray = [json.loads(line) for shard in shards for line in open(shard)]
+by_id = {r["id"]: r for r in ray}
+ok = len(ray) == len(by_id) and by_id.keys() == reference.keys() and all(r["error"] is None for r in ray)
+print(json.dumps({"rows": len(reference), "ray_records": len(ray), "shards": len(shards), "ids_match": ok,
+                  "same_text": sum(by_id[i]["text"] == r["text"] for i, r in reference.items() if i in by_id)}))
+sys.exit(0 if ok else 1)
+PY
+             ;;
     peers)   python3 scripts/bench_peers.py --model qwen3-0.6b --output-len 512 \
                > "$OUT/bench_peers.json" 2>"$OUT/bench_peers.err"; rc=$? ;;
     *) echo "unknown stage $stage"; exit 2 ;;

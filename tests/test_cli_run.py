@@ -232,6 +232,7 @@ def test_bad_rows_get_error_records_and_every_good_row_runs(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["{tmp}/missing.jsonl"], "does not exist"),
+    (["{tmp}"], "a directory or a glob needs --ray"),
     (["{input}", "--input-format", "csv"], "input-format"),
     (["{input}", "-o", "{tmp}/out.txt"], "must end in .jsonl or .parquet"),
     (["{input}", "-o", "{input}"], "must not be INPUT"),

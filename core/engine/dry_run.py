@@ -39,7 +39,7 @@ def plan_kv_cache(model: str | None = None, num_blocks: int | None = None, **eng
     CPU budget's, on a GPU memory x gpu_memory_utilization - weights (activations not counted: an upper bound).
     Raises ValueError / OSError for bad arguments or a model that cannot be resolved."""
     config = EngineConfig.from_kwargs(**{"load_format": "dummy", **engine_args})
-    resolved = resolve_model(model, config.load_format)
+    resolved = resolve_model(model, config.load_format, config.revision)
     hf = resolved.hf_config
     limit = hf.max_position_embeddings
     device = config.resolve_device()

@@ -100,7 +100,7 @@ class LLM:
         self._workers = None
         self._grammars: GrammarCompileCache | None = None  # made on the first constrained request
         self.config = EngineConfig.from_kwargs(**engine_args)
-        resolved = resolve_model(model, self.config.load_format)
+        resolved = resolve_model(model, self.config.load_format, self.config.revision)
         self.model_name = resolved.name
         self.hf_config = resolved.hf_config
         self.prompts = PromptTokenizer.for_model(resolved)

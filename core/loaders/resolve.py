@@ -32,32 +32,41 @@ def default_model_path() -> Path:
     return Path(spec.submodule_search_locations[0]) / DEFAULT_MODEL_FILE
 
 
-def resolve_model(model: str | None, load_format: str = "auto") -> ResolvedModel:
+def resolve_model(model: str | None, load_format: str = "auto", revision: str | None = None) -> ResolvedModel:
+    """`model`: a .gguf file, an HF checkpoint folder, a preset, or a Hugging Face Hub id (`revision`: its
+    branch, tag or commit; the Hub is asked only for a name that is none of the others)."""
     from transformers import AutoConfig
 
+    from nanovllm.loaders import hub
     from nanovllm.loaders.gguf import gguf_to_hf_dir
     from nanovllm.models.registry import model_class_for
 
     if model is None:
         model = str(default_model_path())
     path = Path(model).expanduser()
+    local = path.exists() or model in preset_names()
+    if revision is not None and local:
+        raise ValueError(f"revision={revision!r} applies to Hugging Face Hub model ids, not to {model!r}")
     if path.is_file() and path.suffix == ".gguf":
         directory = gguf_to_hf_dir(path)
     elif path.is_dir():
         directory = path
+    elif not local and hub.is_repo_id(model):
+        directory = hub.snapshot_dir(model, revision, load_format)
     elif model in preset_names():
         config_dict = json.loads((PRESET_DIR / f"{model}.json").read_text())
         hf_config = AutoConfig.for_model(**config_dict)
         model_class_for(hf_config)  # an unsupported architecture fails here, before tokenizer, workers or weights
         return ResolvedModel(model, hf_config, None, None)
     else:
-        raise ValueError(f"model {model!r} is neither a .gguf file, an HF checkpoint directory, nor a preset "
-                         f"({', '.join(preset_names())})")
+        raise ValueError(f"model {model!r} is neither a .gguf file, an HF checkpoint directory, a preset "
+                         f"({', '.join(preset_names())}) nor a Hugging Face Hub id (org/name)")
     if not (directory / "config.json").exists():
         raise ValueError(f"model directory {directory} has no config.json")
     hf_config = AutoConfig.from_pretrained(str(directory))
     model_class_for(hf_config)
     has_tokenizer = any((directory / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
     weights = None if load_format == "dummy" else directory
-    return ResolvedModel(path.stem if path.is_file() else path.name, hf_config, weights,
-                         directory if has_tokenizer else None, gguf=path.is_file())
+    name = model if not local else path.stem if path.is_file() else path.name
+    return ResolvedModel(name, hf_config, weights, directory if has_tokenizer else None,
+                         gguf=path.is_file())

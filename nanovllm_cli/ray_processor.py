@@ -1,0 +1,202 @@
+"""`LLMProcessor`: one engine per Ray actor, for `ray.data.Dataset.map_batches`.
+
+    ds.map_batches(LLMProcessor, fn_constructor_kwargs={"model": "Qwen/Qwen3-0.6B"},
+                   compute=ray.data.ActorPoolStrategy(size=4), num_gpus=1, batch_size=256, batch_format="pyarrow")
+
+(Arrow batches only: numpy and pandas ones turn integers that some rows lack into floats.)
+A batch's rows are `nanovllm run`'s rows (prompt / messages / prompt_token_ids / an OpenAI batch line, sampling
+fields, an id), parsed by its `RowParser` and run by its `BatchRunner` (prefix-aware admission within the batch);
+the batch returned holds `nanovllm run`'s records, in the rows' order, built by its `RecordBuilder`. A bad row
+gets an error record; only an engine failure fails the Ray task. The nested record fields (`logprobs`,
+`prompt_logprobs`, `completions`; an OpenAI record's `response` and `error`) are JSON text, so that every batch
+has one Arrow schema; `RecordsJsonlDatasink` writes them back as nested JSON.
+
+A row of a dataset may lack an id: it still runs, its record's id is null (Ray keeps a batch's rows in order)
+and, without its own seed, it samples with one derived from its content. Rows read by `nanovllm run --ray`
+(`ray_job.py`) arrive as JSON text in `ROW_COLUMN` with their file and line (`SOURCE_COLUMN`, `NUMBER_COLUMN`,
+`LABEL_COLUMN`), so that a row Arrow could not type, or a line that is not JSON, is still one row with an error
+record, and a row without an id gets its file and line as `nanovllm run` gives it its line.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from nanovllm_cli.readers import InvalidJson, drop_nulls
+from nanovllm_cli.records import RecordLayout
+from nanovllm_cli.rows import RowError, RowParser, RowRequest, row_fingerprint
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+ROW_COLUMN = "_nanovllm_row"  # a row as JSON text (or null for a line that is not JSON)
+PROBLEM_COLUMN = "_nanovllm_problem"  # why the line is not a row (not JSON), else null
+SOURCE_COLUMN = "_nanovllm_source"  # the row's file where the input has several, else ""
+NUMBER_COLUMN = "_nanovllm_number"  # its line (JSONL) or row (Parquet) number in that file, from 1
+LABEL_COLUMN = "_nanovllm_label"  # "line" (JSONL) or "row" (Parquet)
+JSON_TEXT_FIELDS = ("logprobs", "prompt_logprobs", "completions")  # plain records' nested fields
+
+
+class ModelNotOnNode(ValueError):
+    """A local model path that this Ray node lacks."""
+
+
+def check_model_on_node(model: str | None) -> None:
+    """A model given as a path must exist on every node; say which node lacks it. (Presets and Hub ids
+    resolve on the node itself.)"""
+    if model is None or not (os.path.isabs(model) or model.startswith((".", "~")) or model.endswith(".gguf")):
+        return
+    if Path(model).expanduser().exists():
+        return
+    import ray
+
+    node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "none: Ray is not initialized"
+    raise ModelNotOnNode(f"model path {model} does not exist on node {socket.gethostname()} (Ray node id {node_id}): "
+                         "put it at the same path on every node (or on shared storage), or use a Hugging Face Hub "
+                         "id, which each node fetches into its own cache")
+
+
+def record_schema(layout: RecordLayout) -> pa.Schema:
+    import pyarrow as pa
+
+    schema = layout.arrow_schema()
+    if layout.openai:
+        return schema
+    return pa.schema(list(schema) + [pa.field(name, pa.string()) for name in JSON_TEXT_FIELDS])
+
+
+def arrow_row(layout: RecordLayout, record: dict) -> dict:
+    """A record as a row of `record_schema`: nested fields as JSON text."""
+    if layout.openai:
+        return layout.parquet_row(record)
+    extra = {k: None if record.get(k) is None else json.dumps(record[k], ensure_ascii=False) for k in JSON_TEXT_FIELDS}
+    return {**record, **extra}
+
+
+def record_from_arrow(layout: RecordLayout, row: dict) -> dict:
+    """The inverse of `arrow_row`: the record as `nanovllm run` writes it to JSONL."""
+    nested = ("response", "error") if layout.openai else JSON_TEXT_FIELDS
+    record = {k: json.loads(v) if k in nested and isinstance(v, str) else v for k, v in row.items()}
+    if not layout.openai:  # a plain record has its nested fields only where the row asked for them
+        record = {k: v for k, v in record.items() if k not in JSON_TEXT_FIELDS or v is not None}
+    return record
+
+
+def records_jsonl_datasink(path: str, layout: RecordLayout, **file_datasink_kwargs):
+    """A Ray Data sink writing each block as a JSONL shard of `nanovllm run`'s records (nested fields as JSON,
+    not JSON text; `Dataset.write_json` would keep them text)."""
+    from ray.data.datasource import BlockBasedFileDatasink
+
+    class RecordsJsonlDatasink(BlockBasedFileDatasink):
+        def write_block_to_file(self, block, file) -> None:
+            lines = (json.dumps(record_from_arrow(layout, row), ensure_ascii=False) + "\n"
+                     for row in block.to_arrow().to_pylist())
+            file.write("".join(lines).encode("utf-8"))
+
+    return RecordsJsonlDatasink(path, file_format="jsonl", **file_datasink_kwargs)
+
+
+class _RecordList:
+    """The writer `BatchRunner` writes a batch's records to."""
+
+    def __init__(self):
+        self.records: list[dict] = []
+
+    def write(self, record: dict) -> None:
+        self.records.append(record)
+
+    def sync_if_due(self) -> None:
+        pass
+
+
+class LLMProcessor:
+    """A callable class for `map_batches`: each actor builds one engine, `LLM(model, **engine_args)`.
+
+    `sampling`: the default sampling fields a row's own override (as `nanovllm run`'s options; greedy with 64
+    tokens when not given); `seed`: the engine seed, from which a row without a seed derives its own (as in
+    `nanovllm run`); `openai`: the rows are OpenAI batch lines and the records OpenAI batch output;
+    `include_token_ids`: add prompt_token_ids and token_ids; `reorder`: prefix-aware admission within a batch.
+    A model path must exist on every node (ModelNotOnNode names the node lacking it)."""
+
+    def __init__(self, model: str | None = None, *, engine_args: dict | None = None, sampling: dict | None = None,
+                 seed: int = 0, openai: bool = False, include_token_ids: bool = False, reorder: bool = True):
+        from nanovllm import LLM, SamplingParams
+
+        self.defaults = {"max_tokens": 64, "temperature": 0.0, **(sampling or {})}
+        SamplingParams(**self.defaults)  # a bad default fails the actor at once, not every row
+        check_model_on_node(model)
+        self.llm = LLM(model, **{**(engine_args or {}), "seed": seed})
+        self.seed = seed
+        self.layout = RecordLayout(openai=openai, include_token_ids=include_token_ids)
+        self.schema = record_schema(self.layout)
+        self.reorder = reorder
+        self.parsers: dict[tuple[str, str], RowParser] = {}
+
+    def __call__(self, batch) -> pa.Table:
+        import pyarrow as pa
+
+        from nanovllm_cli.records import RecordBuilder
+        from nanovllm_cli.runner import BatchRunner, EngineFeeder, RunStats
+
+        rows: list[tuple[RowRequest | RowError, str]] = []  # each row parsed, and its fingerprint
+        anonymous: set[str] = set()  # the ids given to rows without one (their records' id is null)
+        for index, row in enumerate(_batch_rows(batch)):
+            parsed, fingerprint = self._parse(index, row, anonymous)
+            rows.append((parsed, fingerprint))
+        written = _RecordList()
+        builder = RecordBuilder(self.layout, self.llm.info.model, {row.id: fp for row, fp in rows})
+        runner = BatchRunner(EngineFeeder(self.llm), written, builder, RunStats(rows_total=len(rows)),
+                             window=max(len(rows), 1), reorder=self.reorder, skip_ids=set(), on_step=lambda: None)
+        runner.run(row for row, _ in rows)
+        by_id: dict[str, list[dict]] = {}
+        for record in written.records:  # a repeated id's records (a result, duplicate errors) keep their order
+            by_id.setdefault(str(record[self.layout.id_key]), []).append(record)
+        records = []
+        for row, _ in rows:
+            record = by_id[row.id].pop(0)
+            if row.id in anonymous:
+                record[self.layout.id_key] = None
+            records.append(arrow_row(self.layout, record))
+        return pa.Table.from_pylist(records, schema=self.schema)
+
+    def _parse(self, index: int, row: dict, anonymous: set[str]) -> tuple[RowRequest | RowError, str]:
+        """A dataset row -> the parsed row and its fingerprint. A row without an id gets one here, from its
+        content (so its derived seed does not depend on batching), added to `anonymous`."""
+        if ROW_COLUMN in row:  # read by `nanovllm run --ray`: its file and line
+            value = InvalidJson(row[PROBLEM_COLUMN]) if row[ROW_COLUMN] is None else json.loads(row[ROW_COLUMN])
+            parser = self._parser(row[SOURCE_COLUMN], row[LABEL_COLUMN])
+            return parser.parse(row[NUMBER_COLUMN], value), row_fingerprint(value)
+        value = drop_nulls(row)
+        fingerprint = row_fingerprint(value)
+        key = self.layout.id_key
+        if value.get(key) is not None:  # its place in error messages: "row with id 'a'"
+            return self._parser("", "row with id").parse(repr(value[key]), value), fingerprint
+        row_id = fingerprint
+        while row_id in anonymous:  # the same row twice in a batch
+            row_id += "+"
+        anonymous.add(row_id)
+        return self._parser("", "batch row").parse(index + 1, {**value, key: row_id}), fingerprint
+
+    def _parser(self, source: str, label: str) -> RowParser:
+        if (source, label) not in self.parsers:
+            self.parsers[source, label] = RowParser(self.defaults, self.seed, label, source or None)
+        return self.parsers[source, label]
+
+    def __del__(self):
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            llm.exit()
+
+
+def _batch_rows(batch) -> list[dict]:
+    """The rows of a batch, which must be Arrow: numpy and pandas batches turn an integer field that some rows
+    lack (`max_tokens`, `seed`) into floats, which the row parser would rightly refuse."""
+    import pyarrow as pa
+
+    if not isinstance(batch, pa.Table):
+        raise TypeError(f"LLMProcessor takes Arrow batches, not {type(batch).__name__}: pass batch_format=\"pyarrow\" "
+                        "to map_batches (numpy and pandas batches turn integers that some rows lack into floats)")
+    return batch.to_pylist()

@@ -1,0 +1,162 @@
+"""Ray Data: `LLMProcessor` (one engine per actor) and `nanovllm run --ray`, on one local 2-CPU Ray cluster.
+
+Both are checked record by record against `nanovllm run` on the same rows (greedy, so the records match
+exactly): the Ray path reuses its row parser, runner and record builder, and these tests hold it to that.
+"""
+import json
+import socket
+import sys
+
+import pyarrow.parquet as pq
+import pytest
+
+# Skipped only where Ray is not installed; a Ray without its Data extra fails here, saying what to install.
+pytest.importorskip("ray", reason="Ray is not installed: pip install 'nanovllm[ray]' (make install does it)")
+import ray  # noqa: E402
+import ray.data  # noqa: E402
+from test_cli_run import invoke, write_jsonl, write_parquet  # noqa: E402
+
+from nanovllm_cli.ray_processor import LLMProcessor, _batch_rows  # noqa: E402
+from nanovllm_cli.records import PLAIN_FIELDS  # noqa: E402
+
+ENGINE = {"max_model_len": 256, "cpu_kv_cache_bytes": 32 << 20}
+ENGINE_FLAGS = ["--max-model-len", 256, "--kv-cache-gib", 32 / 1024, "--max-tokens", 4]
+ROWS = [
+    {"id": "plain", "prompt": "The capital of France is"},
+    {"id": "chat", "messages": [{"role": "user", "content": "Why is the sky blue?"}], "max_tokens": 6},
+    {"id": "ids", "prompt_token_ids": [504, 3458, 282, 4649, 314]},
+    {"id": "shared-a", "prompt": "Once upon a time in a land far away, a king"},
+    {"id": "shared-b", "prompt": "Once upon a time in a land far away, a queen", "stop": [","]},
+    {"id": "bad-sampling", "prompt": "Hello", "temperature": -1.0},
+]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    yield
+    ray.shutdown()
+
+
+def cli_records(text_model, path, tmp_path, *flags):
+    """`nanovllm run`'s records for the rows of `path`, by id."""
+    out = tmp_path / f"{path.stem}.reference.jsonl"
+    result = invoke("run", path, "-o", out, "--model", text_model, *ENGINE_FLAGS, *flags, "-q")
+    assert result.exit_code in (0, 1), result.stderr
+    return {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+
+
+def test_processor_on_a_dataset_matches_nanovllm_run(cluster, text_model, tmp_path):
+    rows = [*ROWS, {"prompt": "a row without an id"}]
+    by_id = cli_records(text_model, write_jsonl(tmp_path / "rows.jsonl", rows), tmp_path)
+    expected = [by_id[row.get("id", "7")] for row in rows]
+    records = (ray.data.from_items(rows)
+               .map_batches(LLMProcessor, batch_size=3, batch_format="pyarrow",
+                            compute=ray.data.ActorPoolStrategy(size=2),
+                            fn_constructor_kwargs={"model": text_model, "engine_args": ENGINE,
+                                                   "sampling": {"max_tokens": 4}})
+               .take_all())  # Ray keeps the rows' order
+    assert [r["id"] for r in records] == [*(row["id"] for row in ROWS), None]
+    assert expected[-1]["id"] == "7" and expected[-1]["completion_tokens"] > 0
+    expected[-1]["id"] = None  # `nanovllm run` names a row without an id by its line; a dataset row has none
+    assert expected[5]["error"].startswith("line 6: invalid sampling parameters: temperature")
+    assert records[5]["error"] == expected[5]["error"].replace("line 6", "row with id 'bad-sampling'")
+    expected[5]["error"] = records[5]["error"]
+    assert all(records[i][name] is None for i in range(len(rows)) for name in set(records[i]) - set(PLAIN_FIELDS))
+    assert [{k: r[k] for k in PLAIN_FIELDS} for r in records] == expected  # text, finish reason, counts: all
+    assert all(r["error"] is None and r["completion_tokens"] > 0 for r in expected[:5])
+
+
+def test_run_ray_on_a_directory_of_jsonl_writes_parquet_shards(cluster, text_model, tmp_path):
+    shards = tmp_path / "in"
+    shards.mkdir()
+    write_jsonl(shards / "a.jsonl", ROWS[:3] + ["{not json", {"prompt": "no id, line 5"}])
+    write_jsonl(shards / "b.jsonl", ROWS[3:] + [{"id": "typed", "prompt": 5}])  # a type Arrow could not unify
+    expected = cli_records(text_model, write_jsonl(tmp_path / "all.jsonl", ROWS + [{"id": "typed", "prompt": 5}]),
+                           tmp_path)
+    out = tmp_path / "results.parquet"
+    result = invoke("run", shards, "--ray", "--ray-replicas", 2, "--window", 2, "-o", out, "--model", text_model,
+                    *ENGINE_FLAGS, "-q", "--json")
+    assert result.exit_code == 1, result.stderr  # the bad rows
+    summary = json.loads(result.stdout)
+    files = sorted(out.iterdir())
+    assert files and all(f.suffix == ".parquet" for f in files)
+    records = {r["id"]: {k: r[k] for k in PLAIN_FIELDS} for f in files for r in pq.read_table(f).to_pylist()}
+    assert len(records) == 9
+    assert (summary["rows_total"], summary["rows_failed"], summary["input_files"]) == (9, 3, 2)
+    assert summary["completion_tokens"] == sum(r["completion_tokens"] for r in records.values())
+    assert "a.jsonl line 4: invalid JSON" in records.pop("a.jsonl:4")["error"]
+    assert records.pop("a.jsonl:5")["completion_tokens"] > 0  # a row without an id: its file and line
+    assert records["typed"]["error"].startswith("b.jsonl line 4: 'prompt' must be")
+    assert expected["typed"]["error"].startswith("line 7: 'prompt' must be")
+    for row_id in ("typed", "bad-sampling"):
+        assert records[row_id].pop("error").split(": ", 1)[1] == expected[row_id].pop("error").split(": ", 1)[1]
+    assert records == expected
+
+
+def test_run_ray_on_a_glob_of_parquet_writes_jsonl_shards(cluster, text_model, tmp_path):
+    rows = [*ROWS[:5], {"id": "logprobs", "prompt": "Hello", "logprobs": 2}]
+    expected = cli_records(text_model, write_parquet(tmp_path / "all.parquet", rows), tmp_path)
+    write_parquet(tmp_path / "part-0.parquet", rows[:3])
+    write_parquet(tmp_path / "part-1.parquet", rows[3:])
+    out = tmp_path / "results.jsonl"
+    result = invoke("run", tmp_path / "part-*.parquet", "--ray", "-o", out, "--model", text_model, *ENGINE_FLAGS,
+                    "-q")
+    assert result.exit_code == 0, result.stderr
+    files = sorted(out.iterdir())
+    assert files and all(f.suffix == ".jsonl" for f in files)
+    records = {r["id"]: r for f in files for r in map(json.loads, f.read_text().splitlines())}
+    positions, expected_positions = records["logprobs"].pop("logprobs"), expected["logprobs"].pop("logprobs")
+    assert [p["token_id"] for p in positions] == [p["token_id"] for p in expected_positions]  # nested JSON
+    assert logprobs(positions) == pytest.approx(logprobs(expected_positions), abs=1e-4)  # float32 sums' order
+    assert records == expected  # every other field of every line as `nanovllm run` writes it
+
+
+def logprobs(positions):
+    """A plain record's logprobs flattened: token id, rank and logprob of each position, then of its top."""
+    return [value for p in positions for value in (p["token_id"], p["rank"], p["logprob"], *(
+        v for top in p["top_logprobs"] for v in (top["token_id"], top["logprob"])))]
+
+
+def test_a_node_without_the_model_path_is_named(cluster, tmp_path):
+    path = write_jsonl(tmp_path / "in.jsonl", ROWS[:1])
+    missing = tmp_path / "not-on-this-node"
+    result = invoke("run", path, "--ray", "-o", tmp_path / "out.jsonl", "--model", missing, "-q")
+    assert result.exit_code == 3, result.stderr
+    node = f"does not exist on node {socket.gethostname()} (Ray node id {ray.get_runtime_context().get_node_id()})"
+    assert f"model path {missing} {node}" in result.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--ray", "--resume"], "not supported with --ray: --resume"),
+    (["--ray", "--retry-failed", "--sync"], "--retry-failed, --sync"),
+    (["--ray-replicas", 2, "-o", "{tmp}/out.jsonl"], "--ray-address/--ray-replicas without --ray"),
+    (["--ray", "-o", "{tmp}/out.csv"], "named *.parquet or *.jsonl"),
+    (["--ray"], "--ray needs -o OUTPUT"),
+    (["--ray", "-o", "{tmp}/in.jsonl"], "is a file; with --ray OUTPUT is a directory"),
+])
+def test_run_ray_rejects_what_it_does_not_support(tmp_path, args, message):
+    path = write_jsonl(tmp_path / "in.jsonl", ROWS[:1])
+    result = invoke("run", path, *[str(a).format(tmp=tmp_path) for a in args])
+    assert result.exit_code == 2 and message in result.stderr, result.stderr
+
+
+def test_run_ray_without_ray_data_says_how_to_install_it(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray.data", None)  # as where Ray is not installed
+    result = invoke("run", write_jsonl(tmp_path / "in.jsonl", ROWS[:1]), "--ray", "-o", tmp_path / "out.jsonl")
+    assert result.exit_code == 2 and "--ray needs Ray Data: pip install 'nanovllm[ray]'" in result.stderr
+
+
+def test_run_ray_refuses_an_output_inside_a_directory_input(tmp_path):
+    write_jsonl(tmp_path / "in.jsonl", ROWS[:1])
+    result = invoke("run", tmp_path, "--ray", "-o", tmp_path / "results.jsonl")
+    assert result.exit_code == 2 and "lies inside INPUT" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("batch_format", ["numpy", "pandas"])
+def test_processor_refuses_batches_that_lose_integer_types(cluster, batch_format):
+    rows = [{"id": "a", "prompt": "x", "max_tokens": 3}, {"id": "b", "prompt": "y"}]  # max_tokens: 3.0 in numpy
+    batch = next(iter(ray.data.from_items(rows).iter_batches(batch_size=2, batch_format=batch_format)))
+    with pytest.raises(TypeError, match='pass batch_format="pyarrow" to map_batches'):
+        _batch_rows(batch)
