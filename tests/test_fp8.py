@@ -324,8 +324,8 @@ def test_unsupported_checkpoint_schemes_list_the_supported(qc, message, tmp_path
 
 def test_where_fp8_cannot_run(tmp_path, monkeypatch):
     cpu = torch.device("cpu")
-    with pytest.raises(ValueError, match="GGUF"):
-        fp8_scheme("fp8", _resolved(tmp_path, gguf=True), cpu, has_experts=False)
+    # a GGUF file loads dequantized in the model dtype, so it is quantized at load like a float checkpoint
+    assert fp8_scheme("fp8", _resolved(tmp_path, gguf=True), cpu, has_experts=False).name.endswith("per channel)")
     block = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
     with pytest.raises(ValueError, match="mixture-of-experts"):
         fp8_scheme(None, _resolved(tmp_path, block), cpu, has_experts=True)

@@ -35,7 +35,8 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 MIN_AMAX = 1e-10  # the smallest max(|x|) a scale is computed from: a zero group gets a finite scale
 # Per-channel FP8 projections with at most this many rows (tokens) run on the Triton kernel, larger ones on
-# cuBLASLt. To be set from scripts/bench_fp8_gemm.py (gpu_check.sh stage fp8w); provisional, unmeasured.
+# cuBLASLt: at Qwen3-8B's projections on the H100 Triton was faster at 1, 16 and 64 rows, even at 32 and slower
+# from 128 (scripts/bench_fp8_gemm.py, docs/BENCHMARKS.md 2026-11-25).
 TRITON_MAX_ROWS = 64
 
 
