@@ -150,3 +150,20 @@ def test_tensor_parallel_logprobs_and_controls_equal_tp1(tiny_model_dirs):
             assert [None if p is None else {t: lp.logprob for t, lp in p.items()} for p in one.prompt_logprobs] == [
                 None if p is None else pytest.approx({t: lp.logprob for t, lp in p.items()}, abs=1e-4)
                 for p in two.prompt_logprobs]
+
+
+def test_token_texts_decode_each_id_once():
+    """Logprob.decoded_token comes from TokenTexts: the tokenizer's text of the id alone, asked once per id."""
+    from nanovllm.engine.logprob_records import TokenTexts
+
+    class CountingTokenizer:
+        calls: list[list[int]] = []
+
+        def decode(self, ids):
+            self.calls.append(list(ids))
+            return "".join(f"<{i}>" for i in ids)
+
+    tokenizer = CountingTokenizer()
+    texts = TokenTexts(tokenizer)
+    assert [texts(i) for i in (5, 7, 5, 5, 7, 9)] == ["<5>", "<7>", "<5>", "<5>", "<7>", "<9>"]
+    assert tokenizer.calls == [[5], [7], [9]]

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from nanovllm.config import EngineConfig
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.info import EngineInfo, engine_info, engine_report
-from nanovllm.engine.logprob_records import Logprob, output_logprobs
+from nanovllm.engine.logprob_records import Logprob, TokenTexts, output_logprobs
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.stats import EngineStats
@@ -105,6 +105,7 @@ class LLM:
         self.hf_config = resolved.hf_config
         self.prompts = PromptTokenizer.for_model(resolved)
         self.tokenizer = self.prompts.tokenizer
+        self._token_texts = TokenTexts(self.tokenizer) if self.tokenizer is not None else None
         self.max_model_len = self._max_model_len()
         self._workers = start_workers(self.config, resolved, self.max_model_len)  # tensor-parallel ranks 1..N-1
         try:
@@ -312,8 +313,7 @@ class LLM:
             text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
         logprobs = prompt_logprobs = None
         if seq.output_logprobs is not None or seq.prompt_logprob_entries is not None:
-            decode = (lambda token_id: self.tokenizer.decode([token_id])) if self.tokenizer is not None else None
-            logprobs, prompt_logprobs = output_logprobs(seq, decode)
+            logprobs, prompt_logprobs = output_logprobs(seq, self._token_texts)
         completion = CompletionOutput(seq.completion_index, text, seq.output_token_ids, seq.cumulative_logprob,
                                       logprobs, seq.finish_reason, seq.stop_reason)
         return RequestOutput(

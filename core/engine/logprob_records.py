@@ -17,7 +17,7 @@ from nanovllm.runner.logprob_step import StepLogprobs
 Entry = tuple[int, float, int, list[int], list[float]]
 
 
-@dataclass
+@dataclass(slots=True)
 class Logprob:
     """One token's logprob, its rank in the model's distribution (1 = most likely), and its text."""
 
@@ -63,6 +63,21 @@ def _columns(results) -> tuple[list, list, list, list]:
 def _entry(token_id: int, columns: tuple[list, list, list, list], j: int) -> Entry:
     logprobs, ranks, top_ids, top_logprobs = columns
     return token_id, logprobs[j], ranks[j], top_ids[j], top_logprobs[j]
+
+
+class TokenTexts:
+    """The text of single token ids for `Logprob.decoded_token`, each decoded once: a token's text alone does not
+    depend on its context, and top-k entries repeat the same few thousand ids."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self._tokenizer.decode([token_id])
+        return text
 
 
 def entry_dict(entry: Entry, num_top: int, decode: Callable[[int], str] | None) -> dict[int, Logprob]:
