@@ -314,7 +314,7 @@ def _sample_kernel(logits, stride, out, temperatures, top_k, top_p, min_p, seeds
         token = _argmax_pass(base, vocab, BLOCK)
     else:
         tau = tl.full([], float("-inf"), tl.float32)
-        if topk_on:  # top-p (if on) is placed among the top-k survivors once they are in registers
+        if topk_on & (k <= CAP):  # top-p (if on) is placed among the top-k survivors once they are in registers
             row_max, row_min, finite, mass = _stats_pass(base, vocab, inv_t, BLOCK, False)
             if minimum_p > 0.0:
                 tau = row_max + temperature * tl.log(minimum_p)
@@ -327,7 +327,7 @@ def _sample_kernel(logits, stride, out, temperatures, top_k, top_p, min_p, seeds
                                              row_key, scratch + row * CAP, counters + row * 4, BLOCK, CAP)
             else:
                 token = tl.full([], WIDE, tl.int64)
-        elif topp_on:
+        elif topk_on | topp_on:  # a kept set that may exceed CAP: the second kernel's
             token = tl.full([], WIDE, tl.int64)
         elif minimum_p > 0.0:
             row_max = tl.full([], float("-inf"), tl.float32)
