@@ -21,7 +21,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from bench_gemm import graph_ms_per_call
+from bench_gemm import graph_ms_per_call, projection_shapes
 
 from nanovllm.kernels.fp8_gemm import Fp8GemmConfig, choose_config, fp8_gemm, quantize_groups
 from nanovllm.layers.fp8 import quantize
@@ -98,13 +98,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true")
     args = parser.parse_args()
     hf = resolve_model(args.model, load_format="dummy").hf_config
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    shapes = {  # name: (N, K) of the weight
-        "qkv": ((hf.num_attention_heads + 2 * hf.num_key_value_heads) * head_dim, hf.hidden_size),
-        "o": (hf.hidden_size, hf.num_attention_heads * head_dim),
-        "gate_up": (2 * hf.intermediate_size, hf.hidden_size),
-        "down": (hf.hidden_size, hf.intermediate_size),
-    }
+    shapes = projection_shapes(hf)
     device = torch.device("cuda")
     ceilings = measure_ceilings(device)
     layers = args.layers or hf.num_hidden_layers

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from nanovllm.kernels.skinny_gemm import WORKSPACE_FLOATS, SkinnyConfig, choose_config, skinny_linear
 from nanovllm.loaders.resolve import resolve_model
+from nanovllm.models.llama import head_dim_of
 from nanovllm_cli.roofline import measure_ceilings
 
 
@@ -43,6 +44,17 @@ def graph_ms_per_call(calls) -> float:
     return sorted(times[1:])[2] / len(calls)
 
 
+def projection_shapes(hf) -> dict[str, tuple[int, int]]:
+    """name -> (N, K) of a decoder layer's projection weights (q/k/v and gate/up packed)."""
+    head_dim = head_dim_of(hf)
+    return {
+        "qkv": ((hf.num_attention_heads + 2 * hf.num_key_value_heads) * head_dim, hf.hidden_size),
+        "o": (hf.hidden_size, hf.num_attention_heads * head_dim),
+        "gate_up": (2 * hf.intermediate_size, hf.hidden_size),
+        "down": (hf.hidden_size, hf.intermediate_size),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="qwen3-0.6b")
@@ -50,13 +62,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true")
     args = parser.parse_args()
     hf = resolve_model(args.model, load_format="dummy").hf_config
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    shapes = {  # name: (N, K) of the weight
-        "qkv": ((hf.num_attention_heads + 2 * hf.num_key_value_heads) * head_dim, hf.hidden_size),
-        "o": (hf.hidden_size, hf.num_attention_heads * head_dim),
-        "gate_up": (2 * hf.intermediate_size, hf.hidden_size),
-        "down": (hf.hidden_size, hf.intermediate_size),
-    }
+    shapes = projection_shapes(hf)
     device = torch.device("cuda")
     ceilings = measure_ceilings(device)
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
