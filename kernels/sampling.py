@@ -21,12 +21,13 @@ the first kernel, as soon as at most CAP tokens lie at or above lo, gathers them
 scratch, sorts those in registers and finishes every threshold and the Gumbel-max draw there: no further pass.
 Temperature-only rows take a single pass (draw over all), min-p-only rows two.
 
-Rows with top-k > CAP or top-p without top-k are left by that first kernel to a second one, which every other
-row leaves at once: the interval [lo, hi), once it holds at most CAP tokens, is sorted to place the threshold
-exactly, a second search places top-p after top-k when both are on, and one last pass draws over the kept set.
-A row whose search interval still holds more than CAP tokens after MAX_PASSES passes (thousands of distinct
-logits within a relative width of 1e-9) keeps that whole interval. Two kernels rather than one: the rare path's
-registers would otherwise bound the common path's passes.
+Rows with top-k > CAP or top-p without top-k, and top-k rows whose search still has more than CAP tokens at or
+above lo (ties, or MAX_PASSES), are left by that first kernel to a second one, which every other row leaves at
+once: the interval [lo, hi), once it holds at most CAP tokens, is sorted to place the threshold exactly, a second
+search places top-p after top-k when both are on, and one last pass draws over the kept set. A row whose search
+interval still holds more than CAP tokens after MAX_PASSES passes (thousands of distinct logits within a relative
+width of 1e-9) keeps that whole interval. Two kernels rather than one: the rare path's registers would otherwise
+bound the common path's passes.
 """
 from __future__ import annotations
 
@@ -303,7 +304,8 @@ WIDE = tl.constexpr(-2)  # the token of a row the first kernel leaves to the sec
 def _sample_kernel(logits, stride, out, temperatures, top_k, top_p, min_p, seeds, positions, scratch, counters,
                    vocab, BLOCK: tl.constexpr, PIVOTS: tl.constexpr, CAP: tl.constexpr, MAX_PASSES: tl.constexpr):
     """Rows with a top-k up to CAP (with or without top-p and min-p), temperature-only, min-p-only and greedy
-    rows; the others (top-k > CAP, top-p without top-k) are marked WIDE for _sample_wide_kernel. Kept lean, with
+    rows; the others (top-k > CAP, top-p without top-k, a top-k search left with more than CAP tokens) are marked
+    WIDE for _sample_wide_kernel. Kept lean, with
     count searches only: its registers bound the speed of every pass."""
     row = tl.program_id(0).to(tl.int64)
     base = logits + row * stride

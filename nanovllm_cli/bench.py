@@ -109,6 +109,7 @@ def run_on_replicas(pool, workload: Workload, overlap: bool, warmup_seed: int | 
     from nanovllm import SamplingParams
     from nanovllm_cli.admission import admission_groups
     from nanovllm_cli.rows import RowRequest
+    from nanovllm_cli.runner import RowFailure
 
     pool.call(prepare_replica, overlap, warmup_seed, sampling)
     settings = {"temperature": 0, **sampling}
@@ -119,7 +120,7 @@ def run_on_replicas(pool, workload: Workload, overlap: bool, warmup_seed: int | 
     pool.add(admission_groups(requests, True, pool.block_size))
     failed = 0
     while not pool.idle():
-        failed += sum(isinstance(r, str) or bool(r.error) for _, r in pool.step())
+        failed += sum(isinstance(r, RowFailure) or bool(r.error) for _, r in pool.step())
     wall = time.perf_counter() - started
     report = pool.report()
     stats, tokens = report["steps"], report["tokens"]
@@ -247,11 +248,11 @@ def bench(
         for overlap in modes:
             label = "async" if overlap else "sync"
             if replicated:
-                from nanovllm_cli.runner import JobFailed
+                from nanovllm_cli.runner import EngineFailure, JobFailed
 
                 try:
                     results[label] = run_on_replicas(llm, workload, overlap, seed if warmup else None, sampling)
-                except JobFailed as exc:  # a replica died
+                except (JobFailed, EngineFailure) as exc:  # a replica died, or its engine cannot run any more
                     typer.echo(f"error: {exc}", err=True)
                     raise typer.Exit(ExitCode.INTERNAL) from None
                 continue

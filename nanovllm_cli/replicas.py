@@ -15,7 +15,8 @@ engine runs, fed through a pipe:
   chunks of that size (contiguous in token order, so longer shared prefixes stay together). Each group goes to
   the replica with the fewest outstanding tokens (prompt + max_tokens of its rows not yet answered) among those
   with room (fewer than 2 x max_num_seqs rows outstanding), which bounds memory and keeps every engine fed.
-- failures: a replica whose engine fails in a step reports the rows of that step (they get error records); a
+- failures: a replica isolates the row that fails a step as one engine does (runner.EngineFeeder); a replica
+  whose engine cannot run any more reports the rows in it and those waiting to be rerun (error records); a
   replica that dies (killed, crashed, out of memory) ends the job with `ReplicaFailed` naming it (index, pid,
   devices) and its error. Either way the other replicas are stopped and what is written stays (`--resume`).
   A replica reads EOF when the parent goes away and exits after its step; replicas ignore SIGINT (the parent

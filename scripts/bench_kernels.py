@@ -33,7 +33,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--copy-bandwidth", type=float, default=3.03e12, help="bytes/s, read + write counted")
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--sweep", action="store_true", help="also time a grid of kernel tile configs")
-    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e5m2"), default="auto")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="the engine's kv_cache_dtype names")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, a few repeats: checks the script runs")
     return parser.parse_args()
 
@@ -123,7 +123,13 @@ def main() -> None:
     args = parse_args()
     if args.smoke and not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported (decorated)
-    from nanovllm.kernels.decode_attention import DecodeConfig, choose_num_splits, paged_decode_attention
+    from nanovllm.attention.kv_quant import resolve_kv_cache_dtype
+    from nanovllm.kernels.decode_attention import (
+        DecodeConfig,
+        choose_num_splits,
+        default_decode_config,
+        paged_decode_attention,
+    )
     from nanovllm.kernels.prefill_attention import PrefillConfig, paged_prefill_attention
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -138,16 +144,17 @@ def main() -> None:
     split_shapes = ([(2, 128, (1, 2))] if args.smoke else
                     [(8, 4096, (1, 2, 4, 8, 16, 32)), (32, 4096, (1, 2, 4, 8, 16)), (256, 1024, (1, 2, 4))])
     prefill_seqs, prefill_len = (2, 64) if args.smoke else (8, 1024)
-    decode_configs = [DecodeConfig()]
+    cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
+    default_decode = default_decode_config(heads[2], cache_dtype)  # what the engine runs
+    decode_configs = [default_decode]
     prefill_configs = [PrefillConfig()]
     if args.sweep:
         grid = itertools.product((32, 64, 128), (4, 8), (2, 3, 4))
-        decode_configs += [c for c in map(DecodeConfig._make, grid) if c != DecodeConfig()]
+        decode_configs += [c for c in map(DecodeConfig._make, grid) if c != default_decode]
         grid = itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3))
         prefill_configs += [c for c in map(PrefillConfig._make, grid) if c != PrefillConfig()]
         if args.smoke:
             decode_configs, prefill_configs = decode_configs[:2], prefill_configs[:2]
-    cache_dtype = {"auto": dtype, "fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[args.kv_cache_dtype]
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)",
               "dtype": str(dtype), "kv_cache_dtype": str(cache_dtype), "heads": heads,
               "copy_bandwidth": args.copy_bandwidth, "num_sms": num_sms,
@@ -181,7 +188,7 @@ def main() -> None:
         chosen = choose_num_splits(batch, heads[1], context, num_sms)
         for num_splits in sorted({*split_counts, chosen}):
             run = functools.partial(decode, w, torch.empty_like(w.q), num_splits)
-            for row in time_configs(run, [DecodeConfig()], repeats, bandwidth(w.kv_bytes)):
+            for row in time_configs(run, [default_decode], repeats, bandwidth(w.kv_bytes)):
                 report["decode_splits"].append({"batch": batch, "context": context, "block_size": 16,
                                                 "num_splits": num_splits, "chosen": num_splits == chosen, **row})
 

@@ -57,7 +57,7 @@ class EngineMemoryMeter:
 
 
 def release_process_workspaces() -> None:
-    """Free the cuBLAS workspaces torch keeps per stream for the process, so that the next engine allocates (and
-    counts) them again, as the first one did."""
+    """Free the cuBLAS workspaces torch keeps per stream for the process when an engine is released: the process's
+    share of memory (PROCESS_ALLOWANCE) does not grow with every engine made in it."""
     torch._C._cuda_clearCublasWorkspaces()
     torch.cuda.empty_cache()
