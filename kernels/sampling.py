@@ -294,7 +294,8 @@ def _finish_in_registers(base, vocab, lo, hi, row_max, inv_t, k_target, p, tau, 
     tau = tl.maximum(tau, tau_k)
     score = tl.where(filled & (values >= tau), values * inv_t + _gumbel(row_key, ids), float("-inf"))
     best = tl.max(score, axis=0)
-    return tl.min(tl.where(score == best, ids, vocab), axis=0).to(tl.int64)
+    token = tl.min(tl.where((score == best) & filled, ids, vocab), axis=0).to(tl.int64)
+    return tl.where(token == vocab, 0, token)  # every token banned: 0, as the other paths' argmax gives
 
 
 WIDE = tl.constexpr(-2)  # the token of a row the first kernel leaves to the second (more than CAP kept tokens)

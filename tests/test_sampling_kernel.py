@@ -97,3 +97,13 @@ def test_gpu_kernel_equals_torch_path_at_real_shape(dtype):
     reference = reference_sample(logits, t)
     # float32 rounding of exp/log sums may move a knife-edge boundary token; tokens agree all but never
     assert (kernel == reference).float().mean().item() >= 63 / 64, (kernel, reference)
+
+
+def test_a_row_with_every_token_banned_gets_token_0_on_every_path():
+    """Logit controls can leave a row all -inf: every path answers 0, as the torch path's argmax does (the top-k
+    path once returned an id past the vocabulary)."""
+    settings = [(0.0, None, 1.0, 0.0), (0.8, None, 1.0, 0.0), (0.8, 5, 1.0, 0.0), (0.8, 5, 0.9, 0.0),
+                (0.8, None, 0.9, 0.0), (0.8, None, 1.0, 0.1)]
+    logits = torch.full((len(settings), VOCAB), float("-inf"), device=DEVICE)
+    t = tensors(settings, VOCAB)
+    assert run_kernel(logits, t, cap=64, block=256).tolist() == reference_sample(logits, t).tolist() == [0] * 6
