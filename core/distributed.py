@@ -46,11 +46,15 @@ def destroy_tp_group(abort: bool = False) -> None:
     global _group
     if _group is None:
         return
-    _group = None
+    group, _group = _group, None
     releases = _before_destroy[:]
     _before_destroy.clear()
-    if abort:  # NCCL: unblocks the device work stuck in collectives with a dead peer
+    if abort and group.device.type == "cuda":  # NCCL: unblocks the device work stuck in collectives with a dead peer
         dist.distributed_c10d._abort_process_group()
+    elif abort:
+        # gloo (an NCCL-only abort would leave its threads to be torn down at interpreter exit, where they may
+        # abort the process): the peers are dead, so a collective in flight fails at once and shutdown joins.
+        dist.destroy_process_group()
     else:
         for release in releases:
             release()
