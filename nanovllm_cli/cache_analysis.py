@@ -76,15 +76,15 @@ def histogram(lengths: Counter[int]) -> list[dict]:
 class CacheAnalysis:
     """Accumulates the rows of a file; `report` gives the figures."""
 
-    def __init__(self, block_size: int, num_blocks: int, window: int):
+    def __init__(self, block_size: int, num_blocks: int, window: int, kv_windows: tuple[int | None, ...] = (None,)):
         self.block_size = block_size
         self.window = window  # run's read-ahead window: the span prefix-aware ordering sorts
         self.prompt_lengths: Counter[int] = Counter()
         self.blocks_needed = 0
         self.partial_blocks = 0
         self.tree = PrefixTree(block_size)
-        self.file_order = PrefixCacheReplay(num_blocks, block_size)
-        self.prefix_aware = PrefixCacheReplay(num_blocks, block_size)
+        self.file_order = PrefixCacheReplay(num_blocks, block_size, kv_windows)
+        self.prefix_aware = PrefixCacheReplay(num_blocks, block_size, kv_windows)
         self.pending: list[RowRequest] = []
 
     def add(self, request: RowRequest) -> None:

@@ -53,9 +53,9 @@ def inspect_cache(
     memory = {"block_size": plan.block_size, "kv_cache_dtype": plan.kv_cache_dtype, "dtype_bytes": plan.dtype_bytes,
               "bytes_per_block": plan.bytes_per_block,
               "num_blocks": plan.num_blocks, "num_blocks_source": plan.num_blocks_source,
-              "cache_bytes": plan.cache_bytes}
+              "cache_bytes": plan.cache_bytes, "kv_groups": len(plan.kv_windows)}
     parser = RowParser({}, 0, "row" if fmt == "parquet" else "line")
-    analysis = CacheAnalysis(plan.block_size, memory["num_blocks"], window)
+    analysis = CacheAnalysis(plan.block_size, memory["num_blocks"], window, plan.kv_windows)
     rows = 0
     errors: list[str] = []
     for row in tokenized_rows(input_path, fmt, parser, prompts):
@@ -105,7 +105,8 @@ def print_report(report: dict) -> None:
         ("block size / bytes per block",
          f"{report['block_size']} / {report['bytes_per_block']:,} ({report['kv_cache_dtype']})"),
         ("cache", f"{report['num_blocks']:,} blocks = {gib:.2f} GiB ({report['num_blocks_source']})"),
-        ("blocks needed (no sharing)", f"{report['blocks_needed']:,}"),
+        ("KV groups (blocks per token span)", f"{report['kv_groups']}"),
+        ("blocks needed (no sharing, per group)", f"{report['blocks_needed']:,}"),
         ("unique / shared blocks", f"{report['unique_blocks']:,} / {report['shared_blocks']:,}"),
     ]:
         head.add_row(label, value)

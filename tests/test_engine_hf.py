@@ -94,8 +94,17 @@ def test_architectures_match_hf(arch, variant, arch_model_dirs, arch_references)
 
 @pytest.mark.parametrize("arch", ["gemma2", "phi3-longrope"])
 def test_architectures_match_hf_under_preemption(arch, arch_model_dirs, arch_references):
-    # 8 blocks of 16 tokens for five sequences of up to 84 tokens: preempted sequences recompute through windows.
-    llm = LLM(str(arch_model_dirs[arch]), max_model_len=96, num_kv_blocks=8, block_size=16, max_num_batched_tokens=32)
+    # The memory of 8 blocks of 16 tokens over every layer for five sequences of up to 84 tokens: preempted
+    # sequences recompute through windows. A model with several KV groups (kv_groups.py) has narrower blocks.
+    from transformers import AutoConfig
+
+    from nanovllm.kv_groups import plan_kv_groups
+    from nanovllm.models.llama import layer_windows
+
+    config = AutoConfig.from_pretrained(str(arch_model_dirs[arch]))
+    groups = plan_kv_groups(layer_windows(config))
+    llm = LLM(str(arch_model_dirs[arch]), max_model_len=96, block_size=16, max_num_batched_tokens=32,
+              num_kv_blocks=8 * config.num_hidden_layers // groups.width)
     outputs = llm.generate(ARCH_PROMPTS, GREEDY)
     assert llm.get_metrics()["num_preemptions"] > 0
     assert [o.token_ids for o in outputs] == arch_references[arch]

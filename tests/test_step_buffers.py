@@ -39,6 +39,25 @@ def test_tables_send_only_new_entries_and_resync_after_preemption():
     assert np.array_equal(rows.host_tables, tables.tables[:-1].numpy()) and not tables.tables[-1].any()
 
 
+def test_group_tables_split_the_interleaved_rows():
+    """A row interleaves its KV groups' tables (kv_groups.py); each group's table comes out contiguous, cut to a
+    number of blocks, or into a fixed buffer as a decode graph gathers them."""
+    tables = DeviceBlockTables(num_rows=2, width=6, device=torch.device("cpu"))
+    tables.tables[0] = torch.tensor([10, 20, 11, 21, 12, 22])  # group 0: 10, 11, 12; group 1: 20, 21, 22
+    tables.tables[1] = torch.tensor([30, 40, 31, 41, 0, 0])
+    rows = torch.tensor([1, 0])
+    by_group = tables.gather_groups(rows, 2, num_blocks=2)
+    assert by_group.tolist() == [[[30, 31], [10, 11]], [[40, 41], [20, 21]]] and by_group[1].is_contiguous()
+    out = torch.full((2, 4, 3), -5, dtype=torch.int32)
+    tables.gather_groups(rows, 2, out=out[:, :2])
+    assert out[:, :2].tolist() == [[[30, 31, 0], [10, 11, 12]], [[40, 41, 0], [20, 21, 22]]]
+    assert (out[:, 2:] == -5).all()
+    one = torch.zeros(1, 2, 6, dtype=torch.int32)
+    tables.gather_groups(rows, 1, out=one)  # one group: the rows as they are
+    assert one[0].tolist() == [tables.tables[1].tolist(), tables.tables[0].tolist()]
+    assert tables.gather_groups(rows, 1, num_blocks=3).tolist() == [[[30, 40, 31], [10, 20, 11]]]
+
+
 def test_padding_updates_land_in_the_sink_row_only():
     """A graph step applies a fixed number of entries: the padding ones write the sink row, which no row reads."""
     tables = DeviceBlockTables(num_rows=3, width=4, device=torch.device("cpu"))

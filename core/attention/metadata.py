@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -20,3 +21,17 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     decode_num_splits: int = 1  # decode kernels split each sequence's KV range this many ways (flash-decoding)
+    # Per KV group (kv_groups.py) of a model with several: the same step with that group's slots and tables
+    # (this object is group 0's). Empty with one group.
+    groups: tuple[AttentionMetadata, ...] = ()
+
+    @classmethod
+    def grouped(cls, slot_mapping: torch.Tensor, block_tables: torch.Tensor, **step) -> AttentionMetadata:
+        """The metadata of a step over KV groups: `slot_mapping` [groups, tokens] and `block_tables`
+        [groups, batch, max_blocks] give each group's; `step` the fields they share."""
+        views = tuple(cls(slot_mapping=slot_mapping[g], block_tables=block_tables[g], **step)
+                      for g in range(len(slot_mapping)))
+        return views[0] if len(views) == 1 else dataclasses.replace(views[0], groups=views)
+
+    def for_group(self, group: int) -> AttentionMetadata:
+        return self.groups[group] if self.groups else self

@@ -10,8 +10,9 @@ from nanovllm.attention.kv_quant import check_fp8_kv_supported
 from nanovllm.config import EngineConfig
 from nanovllm.engine.block_manager import NO_HASH, BlockManager, compute_block_hash
 from nanovllm.engine.sequence import Sequence
+from nanovllm.kv_groups import plan_kv_groups
 from nanovllm.loaders import resolve_model
-from nanovllm.models.llama import kv_block_bytes
+from nanovllm.models.llama import kv_block_bytes, layer_windows
 from nanovllm.models.registry import model_class_for
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.tokenization import PromptTokenizer
@@ -25,9 +26,10 @@ class KVCachePlan:
     block_size: int
     kv_cache_dtype: str  # the cache's element type ("bfloat16", "float8_e4m3fn", ...)
     dtype_bytes: int  # of one cache element
-    bytes_per_block: int  # K and V of one block over all layers, every KV head (no tensor parallelism)
+    bytes_per_block: int  # K and V of one block over its layer slots, every KV head (no tensor parallelism)
     num_blocks: int
     num_blocks_source: str  # how num_blocks was found
+    kv_windows: tuple[int | None, ...]  # per KV group (kv_groups.py): its sliding window, None for global
 
     @property
     def cache_bytes(self) -> int:
@@ -45,7 +47,8 @@ def plan_kv_cache(model: str | None = None, num_blocks: int | None = None, **eng
     device = config.resolve_device()
     check_fp8_kv_supported(config.kv_cache_dtype, device)
     kv_dtype = config.resolve_kv_cache_dtype(device)
-    bytes_per_block = kv_block_bytes(hf, config.block_size, kv_dtype.itemsize, hf.num_key_value_heads)
+    groups = plan_kv_groups(layer_windows(hf))
+    bytes_per_block = kv_block_bytes(hf, config.block_size, kv_dtype.itemsize, hf.num_key_value_heads, groups.width)
     if num_blocks is not None:
         source = "given (num_blocks)"
     elif device.type == "cpu":
@@ -59,7 +62,7 @@ def plan_kv_cache(model: str | None = None, num_blocks: int | None = None, **eng
         source = "GPU memory x gpu_memory_utilization - weights (activations not counted: an upper bound)"
     return KVCachePlan(resolved.name, PromptTokenizer.for_model(resolved),
                        config.max_model_len or limit, config.block_size, str(kv_dtype).removeprefix("torch."),
-                       kv_dtype.itemsize, bytes_per_block, num_blocks, source)
+                       kv_dtype.itemsize, bytes_per_block, num_blocks, source, groups.windows)
 
 
 def block_hashes(token_ids: list[int], block_size: int) -> list[int]:
@@ -76,8 +79,8 @@ class PrefixCacheReplay:
     """Prompts through the engine's block manager one at a time: admitted with their prefix hits, fully
     computed, hashed, freed. `report()` gives the hits and evictions a cache of `num_blocks` would see."""
 
-    def __init__(self, num_blocks: int, block_size: int):
-        self.manager = BlockManager(num_blocks, block_size, enable_prefix_caching=True)
+    def __init__(self, num_blocks: int, block_size: int, kv_windows: tuple[int | None, ...] = (None,)):
+        self.manager = BlockManager(num_blocks, block_size, enable_prefix_caching=True, windows=kv_windows)
         self.rows_not_fitting = 0
 
     def add(self, token_ids: list[int]) -> None:

@@ -53,7 +53,7 @@ class EngineInfo:
     max_num_batched_tokens: int
     block_size: int  # tokens per KV block
     num_kv_blocks: int
-    kv_block_bytes: int  # one block, K and V over all layers, this rank's heads
+    kv_block_bytes: int  # one block, K and V over its layer slots (kv_groups.py), this rank's heads
     max_batch_size: int  # most sequences in a decode step
     decode_batch_sizes: tuple[int, ...]  # the batch sizes a decode step is padded to (its CUDA graphs' sizes)
     cuda_graphs: bool  # whether decode steps replay CUDA graphs
@@ -65,7 +65,8 @@ class EngineInfo:
 def model_costs(hf_config, model: torch.nn.Module, kv_cache_dtype: torch.dtype) -> CostModel:
     """The cost model of this process's rank of `model` (a whole model when there is no tensor parallelism)
     with a KV cache of `kv_cache_dtype` elements."""
-    kv = kv_block_bytes(hf_config, 1, kv_cache_dtype.itemsize, kv_heads_per_rank(hf_config))  # a one-token block
+    kv = kv_block_bytes(hf_config, 1, kv_cache_dtype.itemsize, kv_heads_per_rank(hf_config),  # a one-token block
+                        hf_config.num_hidden_layers)
     attention = 4 * hf_config.num_hidden_layers * hf_config.num_attention_heads // tp_size() * head_dim_of(hf_config)
     return CostModel(kv, attention, weight_costs(model))
 

@@ -116,7 +116,7 @@ class LLM:
             raise
         self._runner.controls.eos_token_ids = sorted(self._eos_token_ids())  # min_tokens bans them
         self._block_manager = BlockManager(self._runner.num_kv_blocks, self.config.block_size,
-                                           self.config.enable_prefix_caching)
+                                           self.config.enable_prefix_caching, windows=self._runner.kv_groups.windows)
         self._scheduler = Scheduler(self._block_manager, self.config.max_num_seqs,
                                     self.config.max_num_batched_tokens, self.max_model_len, self._eos_token_ids(),
                                     StopStringDetector(self.tokenizer) if self.tokenizer is not None else None)

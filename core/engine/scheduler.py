@@ -10,6 +10,7 @@ from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.logprob_records import record_step_logprobs
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.engine.stop_strings import StopStringDetector
+from nanovllm.kv_groups import max_blocks_held
 from nanovllm.runner.logprob_step import StepLogprobs
 
 
@@ -77,8 +78,10 @@ class Scheduler:
         if seq.num_prompt_tokens >= self.max_model_len:
             return (f"prompt has {seq.num_prompt_tokens} tokens, but max_model_len is {self.max_model_len} "
                     "(it must leave room for at least one output token)")
-        needed = self.block_manager.blocks_for(self.max_len_of(seq))
-        if needed > self.block_manager.num_blocks:
+        manager = self.block_manager
+        needed = max_blocks_held(manager.windows, self.max_len_of(seq), manager.block_size,
+                                 self.max_num_batched_tokens)
+        if needed > manager.num_blocks:
             return (f"request needs up to {needed} KV blocks ({self.max_len_of(seq)} tokens) but the cache has only "
                     f"{self.block_manager.num_blocks}; lower max_tokens or raise the KV budget (num_kv_blocks, "
                     "gpu_memory_utilization)")
@@ -135,7 +138,7 @@ class Scheduler:
         plan.num_finished = self._num_finished
         seqs = plan.seqs
         growing = np.flatnonzero(starts >= plan.capacities)
-        if len(growing) > self.block_manager.num_free_blocks:
+        if len(growing) * self.block_manager.num_groups > self.block_manager.num_free_blocks:
             return None
         batch = ScheduledBatch()
         for i in growing.tolist():  # each needs one more block, for the token at its new start
@@ -160,7 +163,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         running_version = self._running_version
         preemptions_before = self.num_preemptions
-        block_size = self.block_manager.block_size
+        block_size, num_groups = self.block_manager.block_size, self.block_manager.num_groups
         # The hot loop of every step, kept lean: a decode (one token that samples, past the prompt) is noted in
         # four lists, and the decodes lead the batch; prompt chunks of running sequences are added after them.
         # `_make_room` pops preempted sequences off the end of `running`, and iterating a list that shrinks at
@@ -184,7 +187,7 @@ class Scheduler:
             num_new = effective - start
             if num_new > budget:
                 num_new = budget
-            if start + num_new > len(seq.block_table) * block_size:
+            if (start + num_new) * num_groups > len(seq.block_table) * block_size:  # beyond its capacity
                 if not self._make_room(seq, start + num_new):
                     break
                 batch.table_changed.append(seq)
@@ -241,7 +244,7 @@ class Scheduler:
             self._plan = _DecodePlan(  # only decodes, of all that compute: the next step may be this one, advanced
                 decodes, batch.epochs, np.array(starts, dtype=np.int64),
                 np.array([seq.max_len for seq in decodes], dtype=np.int64),
-                np.array([len(seq.block_table) for seq in decodes], dtype=np.int64) * block_size,
+                np.array([len(seq.block_table) for seq in decodes], dtype=np.int64) // num_groups * block_size,
                 running_version, self._num_finished, [0] * num_decodes, list(range(num_decodes)))
         return batch
 

@@ -25,7 +25,7 @@ class Sequence:
     scheduler plans from the effective state (committed + in flight); in the sync loop both in-flight counts are 0
     at scheduling time. Each counter changes in one method: `start_step` (scheduled), `commit_step` (computed and
     sampled), `preempt` (dropped); the KV fields (`block_table`, `num_computed_tokens` at admission,
-    `num_shared_kv_tokens`, `num_hashed_blocks`) belong to the block manager. Positions below
+    `num_shared_kv_tokens`, `num_hashed_blocks`, `hashed_prefix`) belong to the block manager. Positions below
     `num_shared_kv_tokens` lie in prefix-cache blocks that are already complete, so their KV must not be written
     again (a whole prompt hit the cache and its last token is recomputed). `epoch` changes on preemption, so the
     results of steps scheduled before it are recognised and dropped.
@@ -33,7 +33,7 @@ class Sequence:
 
     __slots__ = ("seq_id", "request_id", "prompt", "token_ids", "num_prompt_tokens", "params", "max_len",
                  "sampling_seed", "status", "block_table", "num_computed_tokens", "num_shared_kv_tokens",
-                 "num_hashed_blocks", "num_inflight_tokens", "num_pending_tokens", "epoch",
+                 "num_hashed_blocks", "hashed_prefix", "num_inflight_tokens", "num_pending_tokens", "epoch",
                  "num_prefix_hit_tokens", "num_preemptions", "finish_reason", "error", "invalid_request", "stop_text",
                  "arrival_time", "first_token_time", "finish_time", "grammar_future", "grammar", "output_logprobs",
                  "prompt_logprob_entries", "cumulative_logprob", "stop_reason", "parent", "completion_index",
@@ -50,10 +50,11 @@ class Sequence:
         self.max_len = 0  # the scheduler sets it on arrival: prompt + max_tokens, capped by max_model_len
         self.sampling_seed = sampling_seed
         self.status = SequenceStatus.WAITING
-        self.block_table: list[int] = []
+        self.block_table: list[int] = []  # its KV groups' blocks, interleaved (kv_groups.py)
         self.num_computed_tokens = 0
         self.num_shared_kv_tokens = 0
         self.num_hashed_blocks = 0
+        self.hashed_prefix = -1  # the chained hash of the last hashed block (block_manager.NO_HASH: none)
         self.num_inflight_tokens = 0
         self.num_pending_tokens = 0
         self.epoch = 0

@@ -9,7 +9,8 @@ from nanovllm.attention.metadata import AttentionMetadata
 class Attention(nn.Module):
     """Stores this step's K/V into the layer's paged cache and attends over it through the selected backend.
 
-    The runner binds `k_cache`/`v_cache` (views of the engine's one KV tensor) and `backend` after allocation.
+    The runner binds `k_cache`/`v_cache` (views of the engine's one KV tensor), `kv_group` (whose block tables
+    and slots the layer uses, kv_groups.py) and `backend` after allocation.
     `sliding_window`: each token sees only the last that many positions up to its own (HF's rule); `logit_softcap`:
     scores become cap * tanh(scores / cap). Both are this layer's own, so layers of one model may differ.
     `k_scale` / `v_scale`: the per-tensor scales of an FP8 cache (attention/kv_quant.py), 1.0 unless set."""
@@ -27,13 +28,14 @@ class Attention(nn.Module):
         self.logit_softcap = logit_softcap
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        self.kv_group = 0
         self.backend = None
         self.k_scale = 1.0
         self.v_scale = 1.0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q/k/v: [tokens, heads, head_dim] -> [tokens, heads * head_dim]."""
-        out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale,
+        out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta.for_group(self.kv_group), self.scale,
                                    window=self.sliding_window, softcap=self.logit_softcap, k_scale=self.k_scale,
                                    v_scale=self.v_scale)
         return out.reshape(out.shape[0], -1)

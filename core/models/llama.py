@@ -251,6 +251,6 @@ def kv_heads_per_rank(config) -> int:
     return config.num_key_value_heads // tp_size()
 
 
-def kv_block_bytes(config, block_size: int, itemsize: int, num_kv_heads: int) -> int:
-    """Bytes of one KV-cache block over all layers (K and V) holding `num_kv_heads` heads."""
-    return 2 * config.num_hidden_layers * block_size * num_kv_heads * head_dim_of(config) * itemsize
+def kv_block_bytes(config, block_size: int, itemsize: int, num_kv_heads: int, num_layers: int) -> int:
+    """Bytes of one KV-cache block of `num_layers` layer slots (K and V) holding `num_kv_heads` heads."""
+    return 2 * num_layers * block_size * num_kv_heads * head_dim_of(config) * itemsize

@@ -29,12 +29,13 @@ def batch_size_ladder(max_batch_size: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model, inputs_for: Callable[[int], StepInputs], tables: DeviceBlockTables,
-                 max_batch_size: int, max_seq_len: int, block_size: int):
+                 max_batch_size: int, max_seq_len: int, block_size: int, num_groups: int):
         self.sizes = batch_size_ladder(max_batch_size)
         largest = inputs_for(max_batch_size)
-        # The block tables a replay reads: full width, since a graph is captured once for every context length.
-        self.block_tables = torch.zeros(max_batch_size, -(-max_seq_len // block_size), dtype=torch.int32,
-                                        device=largest.input_ids.device)
+        # The block tables a replay reads, per KV group: full width, since a graph is captured once for every
+        # context length.
+        self.block_tables = torch.zeros(num_groups, max_batch_size, -(-max_seq_len // block_size),
+                                        dtype=torch.int32, device=largest.input_ids.device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, StepInputs, torch.Tensor]] = {}
         # Safe contents while capturing: one token per row, no KV written, row 0's table (all zeros yet).
         largest.input_ids.zero_()
@@ -47,17 +48,17 @@ class DecodeGraphs:
         with torch.inference_mode():
             for size in reversed(self.sizes):  # largest first: the smaller graphs reuse its memory pool
                 inputs = inputs_for(size)
-                meta = AttentionMetadata(
-                    slot_mapping=inputs.slot_mapping, query_start_loc=inputs.query_start_loc,
-                    seq_lens=inputs.seq_lens, block_tables=self.block_tables[:size], max_query_len=1,
+                meta = AttentionMetadata.grouped(
+                    slot_mapping=inputs.slot_mapping, block_tables=self.block_tables[:, :size],
+                    query_start_loc=inputs.query_start_loc, seq_lens=inputs.seq_lens, max_query_len=1,
                     max_seq_len=max_seq_len, decode_num_splits=inputs.decode_num_splits)
                 inputs.table_updates[0].fill_(tables.sink_index)
                 inputs.table_updates[1].zero_()
-                _decode_step(model, tables, inputs, meta)  # compile and initialise outside the capture
+                _decode_step(model, tables, inputs, meta, self.block_tables[:, :size])  # compile, initialise
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    logits = _decode_step(model, tables, inputs, meta)
+                    logits = _decode_step(model, tables, inputs, meta, self.block_tables[:, :size])
                 pool = graph.pool()
                 self.graphs[size] = (graph, inputs, logits)
         torch.cuda.synchronize()
@@ -85,8 +86,10 @@ class DecodeGraphs:
         return logits
 
 
-def _decode_step(model, tables: DeviceBlockTables, inputs: StepInputs, meta: AttentionMetadata) -> torch.Tensor:
-    """What a graph runs: apply the table updates, gather the rows' tables, forward, logits."""
+def _decode_step(model, tables: DeviceBlockTables, inputs: StepInputs, meta: AttentionMetadata,
+                 block_tables: torch.Tensor) -> torch.Tensor:
+    """What a graph runs: apply the table updates, gather the rows' tables (per KV group, into `block_tables`,
+    which `meta` reads), forward, logits."""
     tables.apply(inputs.table_updates)
-    tables.gather(inputs.rows, out=meta.block_tables)
+    tables.gather_groups(inputs.rows, len(block_tables), out=block_tables)
     return model.compute_logits(model(inputs.input_ids, inputs.positions, meta))

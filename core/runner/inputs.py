@@ -9,7 +9,7 @@ import torch
 from nanovllm.layers.logprobs import TokenLogprobs
 from nanovllm.layers.sampler import SamplingTensors
 from nanovllm.runner.logprob_step import StepLogprobs
-from nanovllm.runner.step_buffers import ROWS, ROWS_PLUS_ONE, SEQS, TOKENS, UPDATES, buffer
+from nanovllm.runner.step_buffers import GROUP_TOKENS, ROWS, ROWS_PLUS_ONE, SEQS, TOKENS, UPDATES, buffer
 
 
 @dataclass
@@ -20,7 +20,8 @@ class StepInputs:
 
     input_ids: torch.Tensor = buffer(torch.int64, TOKENS, graph=True)
     positions: torch.Tensor = buffer(torch.int64, TOKENS, graph=True)
-    slot_mapping: torch.Tensor = buffer(torch.int64, TOKENS, graph=True)  # cache slot per token; -1 = no write
+    # [KV groups, tokens] cache slot per token in each group's blocks (kv_groups.py); -1 = no write
+    slot_mapping: torch.Tensor = buffer(torch.int64, GROUP_TOKENS, graph=True)
     query_start_loc: torch.Tensor = buffer(torch.int32, ROWS_PLUS_ONE)
     seq_lens: torch.Tensor = buffer(torch.int32, ROWS, graph=True)
     rows: torch.Tensor = buffer(torch.int64, ROWS, graph=True)  # each sequence's row of the block tables

@@ -13,6 +13,7 @@ from nanovllm.attention.kv_quant import check_fp8_kv_supported
 from nanovllm.batch import ScheduledBatch
 from nanovllm.config import EngineConfig
 from nanovllm.distributed import min_over_ranks
+from nanovllm.kv_groups import max_blocks_held, plan_kv_groups
 from nanovllm.layers.logprobs import TokenLogprobs, chunked_logprobs, compute_logprobs
 from nanovllm.layers.sampler import SamplingTensors, sample
 from nanovllm.loaders import ResolvedModel, load_weights
@@ -25,6 +26,7 @@ from nanovllm.runner.logit_controls import LogitControls
 from nanovllm.runner.logprob_step import LogprobPlan, StepLogprobs, copy_to_host, plan_logprobs
 from nanovllm.runner.memory_budget import EngineMemoryMeter, kv_cache_bytes, release_process_workspaces
 from nanovllm.runner.step_buffers import (
+    GROUP_TOKENS,
     ROWS,
     ROWS_PLUS_ONE,
     SEQS,
@@ -46,9 +48,11 @@ _SAMPLING_FIELDS = {f.name for f in fields(SamplingTensors)}
 _PROMPT_LOGITS_CHUNK = 1024  # prompt positions whose logits exist at once (bounds a long prompt's temporaries)
 
 
-def _slice_views(on_device: dict[str, torch.Tensor], num_tokens: int, padded_seqs: int, num_seqs: int) -> _Views:
+def _slice_views(on_device: dict[str, torch.Tensor], num_groups: int, num_tokens: int, padded_seqs: int,
+                 num_seqs: int) -> _Views:
     views = sliced_views(StepInputs, on_device,
-                         {TOKENS: num_tokens, ROWS: padded_seqs, ROWS_PLUS_ONE: padded_seqs + 1, SEQS: num_seqs})
+                         {TOKENS: num_tokens, ROWS: padded_seqs, ROWS_PLUS_ONE: padded_seqs + 1, SEQS: num_seqs,
+                          GROUP_TOKENS: (num_groups, num_tokens)})
     return _Views({name: view for name, view in views.items() if name in _STEP_FIELDS},
                   {name: view for name, view in views.items() if name in _SAMPLING_FIELDS},
                   on_device["input_ids"][:num_seqs])
@@ -59,7 +63,7 @@ def _slice_pending_views(on_device: dict[str, torch.Tensor], count: int) -> tupl
 
 
 def _slice_table_update_views(on_device: dict[str, torch.Tensor], count: int) -> torch.Tensor:
-    return sliced_views(StepInputs, on_device, {UPDATES: count})["table_updates"]
+    return sliced_views(StepInputs, on_device, {UPDATES: (2, count)})["table_updates"]
 
 
 @dataclass(frozen=True)
@@ -122,32 +126,34 @@ class ModelRunner:
             torch.set_default_dtype(default_dtype)
         load_weights(self.model, resolved.weights_dir, self.fp8, seed=config.seed)
         self.model.eval()
+        self.kv_groups = plan_kv_groups([layer.sliding_window for layer in self.model.attention_layers()])
+        self.num_groups = self.kv_groups.num_groups
 
         self.num_kv_blocks = config.num_kv_blocks or min_over_ranks(self._kv_budget_blocks())  # TP: fits every rank
-        capacity = self.num_kv_blocks * self.block_size
-        if capacity < max_model_len:  # checked before anything (CUDA graphs included) touches the cache
+        needed = max_blocks_held(self.kv_groups.windows, max_model_len, self.block_size, config.max_num_batched_tokens)
+        if self.num_kv_blocks < needed:  # checked before anything (CUDA graphs included) touches the cache
             raise ValueError(
-                f"the KV cache holds {self.num_kv_blocks} blocks = {capacity} tokens, less than one sequence of "
-                f"max_model_len={max_model_len}: lower max_model_len, or raise gpu_memory_utilization / "
+                f"the KV cache holds {self.num_kv_blocks} blocks, less than the {needed} one sequence of "
+                f"max_model_len={max_model_len} needs: lower max_model_len, or raise gpu_memory_utilization / "
                 "num_kv_blocks (cpu_kv_cache_bytes on the CPU); gpu_memory_utilization is this engine's share of "
                 "the device, and the cache also takes no more than is free")
         self.kv_cache = self._allocate_kv_cache(self.num_kv_blocks)
-        for index, layer in enumerate(self.model.attention_layers()):
-            layer.k_cache, layer.v_cache = self.kv_cache[0, index], self.kv_cache[1, index]
-            layer.backend = backend
+        self._bind_kv_cache(self.kv_cache)
         self.attention_backend = backend.name
 
         self.max_batch_size = min(config.max_num_seqs, config.max_num_batched_tokens)
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.buffers = StepBuffers(self._buffer_fields(), self.device)
-        # Rows for twice the running sequences: released ones may still be read by the step in flight.
-        self.rows = SequenceRows(2 * self.max_batch_size, self.max_blocks_per_seq, self.vocab_size)
+        # Rows for twice the running sequences: released ones may still be read by the step in flight. A row's
+        # table interleaves the KV groups' tables (kv_groups.py).
+        table_width = self.num_groups * self.max_blocks_per_seq
+        self.rows = SequenceRows(2 * self.max_batch_size, table_width, self.vocab_size)
         self.controls = self.rows.controls = LogitControls(len(self.rows.host_tables), self.vocab_size, self.device)
-        self.tables = DeviceBlockTables(len(self.rows.host_tables), self.max_blocks_per_seq, self.device)
+        self.tables = DeviceBlockTables(len(self.rows.host_tables), table_width, self.device)
         # Memoised slicing of the device views (a torch call per tensor, and a step of a given size recurs). The
         # caches hold the views, not the runner, so that dropping the engine frees it without a garbage collection.
         on_device = self.buffers.on_device
-        self._views = functools.lru_cache(maxsize=4096)(functools.partial(_slice_views, on_device))
+        self._views = functools.lru_cache(maxsize=4096)(functools.partial(_slice_views, on_device, self.num_groups))
         self._pending_views = functools.lru_cache(maxsize=1024)(functools.partial(_slice_pending_views, on_device))
         self._table_update_views = functools.lru_cache(maxsize=4096)(
             functools.partial(_slice_table_update_views, on_device))
@@ -166,7 +172,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager and backend.supports_cuda_graphs:
             self.graphs = DecodeGraphs(self.model, self._graph_inputs, self.tables, self.max_batch_size,
-                                       max_model_len, self.block_size)
+                                       max_model_len, self.block_size, self.num_groups)
 
     def release(self) -> None:
         """Free the device memory (weights, KV cache, CUDA graphs, step buffers); the runner runs no more steps."""
@@ -200,7 +206,8 @@ class ModelRunner:
 
     @property
     def kv_block_bytes(self) -> int:
-        return kv_block_bytes(self.hf_config, self.block_size, self.kv_cache_dtype.itemsize, self.num_kv_heads)
+        return kv_block_bytes(self.hf_config, self.block_size, self.kv_cache_dtype.itemsize, self.num_kv_heads,
+                              self.kv_groups.width)
 
     def _kv_budget_blocks(self) -> int:
         if self.device.type == "cpu":
@@ -218,30 +225,34 @@ class ModelRunner:
         num_seqs = max(min(self.config.max_num_seqs, num_tokens // self.max_model_len), 1)
         # A one-block scratch cache with every write skipped and every table entry pointing at it: the forward
         # has real shapes and reads valid memory, but touches no real KV.
-        scratch = self._allocate_kv_cache(1)
-        for index, layer in enumerate(self.model.attention_layers()):
-            layer.k_cache, layer.v_cache = scratch[0, index], scratch[1, index]
-            layer.backend = self.backend
+        self._bind_kv_cache(self._allocate_kv_cache(1))
         lens = [num_tokens // num_seqs] * num_seqs
         lens[-1] += num_tokens - sum(lens)
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
         starts = torch.tensor([0] + lens, device=self.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        meta = AttentionMetadata(
-            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device),
-            query_start_loc=starts,
-            seq_lens=torch.tensor(lens, dtype=torch.int32, device=self.device),
-            block_tables=torch.zeros(num_seqs, -(-max(lens) // self.block_size), dtype=torch.int32,
+        groups = self.num_groups
+        meta = AttentionMetadata.grouped(
+            slot_mapping=torch.full((groups, num_tokens), -1, dtype=torch.int64, device=self.device),
+            block_tables=torch.zeros(groups, num_seqs, -(-max(lens) // self.block_size), dtype=torch.int32,
                                      device=self.device),
-            max_query_len=max(lens), max_seq_len=max(lens),
-        )
+            query_start_loc=starts, seq_lens=torch.tensor(lens, dtype=torch.int32, device=self.device),
+            max_query_len=max(lens), max_seq_len=max(lens))
         hidden = self.model(ids, positions, meta)
         self.model.compute_logits(hidden[starts[1:] - 1])
 
     def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
+        """K and V of `num_blocks` blocks of the KV groups' width (kv_groups.py)."""
         hf = self.hf_config
-        shape = (2, hf.num_hidden_layers, num_blocks, self.block_size, kv_heads_per_rank(hf), head_dim_of(hf))
+        shape = (2, self.kv_groups.width, num_blocks, self.block_size, kv_heads_per_rank(hf), head_dim_of(hf))
         return torch.empty(shape, dtype=self.kv_cache_dtype, device=self.device)
+
+    def _bind_kv_cache(self, cache: torch.Tensor) -> None:
+        """Point every attention layer at its slot of `cache` and its KV group."""
+        for layer, (group, slot) in zip(self.model.attention_layers(), self.kv_groups.layer_slots):
+            layer.k_cache, layer.v_cache = cache[0, slot], cache[1, slot]
+            layer.kv_group = group
+            layer.backend = self.backend
 
     # ---- one step ----------------------------------------------------------------------------------------------
 
@@ -249,7 +260,8 @@ class ModelRunner:
         max_seqs = self.max_batch_size
         layout = buffer_fields(StepInputs, {
             TOKENS: self.config.max_num_batched_tokens, ROWS: max_seqs, ROWS_PLUS_ONE: max_seqs + 1, SEQS: max_seqs,
-            UPDATES: 2 * max_seqs * self.max_blocks_per_seq})  # at most every table of a full batch
+            UPDATES: 2 * max_seqs * self.num_groups * self.max_blocks_per_seq,  # at most every table of a batch
+            GROUP_TOKENS: self.num_groups * self.config.max_num_batched_tokens})
         # Scratch for the pending inputs' gather (see _gather_pending), before the table updates, which stay last.
         layout[-1:-1] = [Field("pending_tokens", torch.int64, max_seqs), Field("pending_sources", torch.int64, max_seqs)]
         return layout
@@ -351,11 +363,18 @@ class ModelRunner:
             positions = np.arange(num_tokens) + np.repeat(starts - query_start[:-1], num_new)
             token_rows = np.repeat(rows, num_new)
             ends = starts + num_new
-        block_size = self.block_size
-        slots = host["slot_mapping"][:num_tokens]
-        np.add(self.rows.host_tables[token_rows, positions // block_size] * block_size, positions % block_size,
-               out=slots)
-        slots[positions < self.rows.num_shared_kv_tokens[token_rows]] = -1  # complete shared blocks: no write
+        block_size, groups = self.block_size, self.num_groups
+        # [groups, step tokens]: the step's views are as wide as its padded token count
+        slots = host["slot_mapping"][:groups * max(num_tokens, padded_seqs)].reshape(groups, -1)
+        columns, offsets = positions // block_size, positions % block_size
+        if groups > 1:
+            columns *= groups
+        shared = positions < self.rows.num_shared_kv_tokens[token_rows]  # complete shared blocks: no write
+        for group in range(groups):
+            group_slots = slots[group, :num_tokens]
+            np.add(self.rows.host_tables[token_rows, columns + group if group else columns] * block_size, offsets,
+                   out=group_slots)
+            group_slots[shared] = -1
         if not ids_on_device:
             host["input_ids"][:num_tokens] = batch.input_ids
         host["positions"][:num_tokens] = positions
@@ -365,7 +384,7 @@ class ModelRunner:
             pad = slice(num_seqs, padded_seqs)
             host["input_ids"][pad] = 0
             host["positions"][pad] = 0
-            host["slot_mapping"][pad] = -1
+            slots[:, pad] = -1
             host["query_start_loc"][num_seqs + 1:padded_seqs + 1] = self._arange[num_tokens + 1:padded_seqs + 1]
             host["seq_lens"][pad] = 1
         return ends
@@ -487,9 +506,10 @@ class ModelRunner:
         else:
             if inputs.table_updates.shape[1]:
                 self.tables.apply(inputs.table_updates)
-            meta = AttentionMetadata(
-                slot_mapping=inputs.slot_mapping, query_start_loc=inputs.query_start_loc, seq_lens=inputs.seq_lens,
-                block_tables=self.tables.gather(inputs.rows, -(-inputs.max_seq_len // self.block_size)),
+            meta = AttentionMetadata.grouped(
+                slot_mapping=inputs.slot_mapping, block_tables=self.tables.gather_groups(
+                    inputs.rows, self.num_groups, -(-inputs.max_seq_len // self.block_size)),
+                query_start_loc=inputs.query_start_loc, seq_lens=inputs.seq_lens,
                 max_query_len=inputs.max_query_len, max_seq_len=inputs.max_seq_len,
                 decode_num_splits=inputs.decode_num_splits)
             hidden = self.model(inputs.input_ids, inputs.positions, meta)

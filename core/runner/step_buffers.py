@@ -29,8 +29,9 @@ if TYPE_CHECKING:
 _ALIGN = 64
 
 # How far a step input extends, in a step of `tokens` input tokens (padding included), `rows` sequences (a
-# graph's padded batch size) of which `seqs` are real, and `updates` block-table entries.
-TOKENS, ROWS, ROWS_PLUS_ONE, SEQS, UPDATES = "tokens", "rows", "rows+1", "seqs", "updates"
+# graph's padded batch size) of which `seqs` are real, `updates` block-table entries (as [2, n]: flat indices,
+# then block ids) and one token per KV group (as [groups, tokens]).
+TOKENS, ROWS, ROWS_PLUS_ONE, SEQS, UPDATES, GROUP_TOKENS = "tokens", "rows", "rows+1", "seqs", "updates", "group tokens"
 
 
 def buffer(dtype: torch.dtype, extent: str, graph: bool = False):
@@ -64,17 +65,17 @@ def buffer_fields(cls: type, max_lengths: dict[str, int]) -> list[Field]:
     return [Field(name, f.metadata["dtype"], max_lengths[f.metadata["extent"]]) for name, f in buffer_specs(cls)]
 
 
-def sliced_views(cls: type, on_device: dict[str, torch.Tensor], lengths: dict[str, int]) -> dict[str, torch.Tensor]:
-    """The device views of `cls`'s buffer fields whose extent `lengths` gives, as long as one step uses them
-    (table updates as [2, n]: flat indices, then block ids)."""
+def sliced_views(cls: type, on_device: dict[str, torch.Tensor], lengths: dict[str, int | tuple[int, int]]
+                 ) -> dict[str, torch.Tensor]:
+    """The device views of `cls`'s buffer fields whose extent `lengths` gives, as long as one step uses them: a
+    length, or a 2-D shape for the 2-D extents."""
     views = {}
     for name, f in buffer_specs(cls):
-        extent = f.metadata["extent"]
-        if extent == UPDATES and extent in lengths:
-            count = lengths[extent]
-            views[name] = on_device[name][:2 * count].view(2, count)
-        elif extent in lengths:
-            views[name] = on_device[name][:lengths[extent]]
+        length = lengths.get(f.metadata["extent"])
+        if isinstance(length, tuple):
+            views[name] = on_device[name][:length[0] * length[1]].view(length)
+        elif length is not None:
+            views[name] = on_device[name][:length]
     return views
 
 
@@ -263,3 +264,13 @@ class DeviceBlockTables:
         """The tables of `rows`, cut to their first `num_columns` entries (all by default)."""
         tables = self.tables if num_columns is None else self.tables[:, :num_columns]
         return torch.index_select(tables, 0, rows, out=out)
+
+    def gather_groups(self, rows: torch.Tensor, num_groups: int, num_blocks: int | None = None,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+        """Each KV group's tables of `rows` ([groups, rows, blocks], each table contiguous as the kernels read
+        it), cut to their first `num_blocks` blocks (all by default); into `out` when given."""
+        if num_groups == 1:  # the rows' tables as they are
+            return self.gather(rows, num_blocks, None if out is None else out[0]).unsqueeze(0)
+        flat = self.gather(rows, None if num_blocks is None else num_blocks * num_groups)
+        by_group = flat.view(len(rows), -1, num_groups).permute(2, 0, 1)
+        return by_group.contiguous() if out is None else out.copy_(by_group)
