@@ -1,8 +1,9 @@
 """Data parallelism (`--data-parallel-size`): replicas give the records one engine gives, rows sharing a prefix
 meet on one replica, a killed replica ends the job with exit 3 naming it and `--resume` finishes every id once;
-the placement rule on GPUs."""
+the progress and summary show each replica's figures; dispatch by outstanding tokens; the placement rule on GPUs."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -44,22 +45,37 @@ def shared_prefix_rows(groups, per_group, prefix_len=32):
 
 
 def run_both(tmp_path, path, *args):
-    """The same job with one engine and with two replicas: their summaries and records."""
+    """The same job with one engine and with two replicas (showing its progress and summary table on stderr):
+    their summaries and records, and the replicas' stderr."""
     out = {}
     for dp in (1, 2):
         out[dp] = tmp_path / f"dp{dp}.jsonl"
-        result = invoke("run", path, "-o", out[dp], "--json", "-q", "--data-parallel-size", dp, *args)
+        quiet = ["-q"] if dp == 1 else []
+        result = invoke("run", path, "-o", out[dp], "--json", *quiet, "--data-parallel-size", dp, *args)
         assert result.exit_code == 0, result.stderr
         out[dp] = (json.loads(result.stdout), records(out[dp]))
-    return out[1], out[2]
+    return out[1], out[2], result.stderr
+
+
+def check_replica_figures(stderr: str, summary: dict) -> None:
+    """The last progress line shows each replica's output tok/s beside the total; the table has a row per replica."""
+    progress = [line for line in stderr.splitlines() if line.startswith("[nanovllm] ")][-1]
+    total = float(re.search(r"\| out ([\d,.]+) tok/s", progress)[1].replace(",", ""))
+    each = re.search(r"\| replicas ([\d,.]+) / ([\d,.]+) tok/s \|", progress)
+    assert each, progress
+    rates = [float(rate.replace(",", "")) for rate in each.groups()]
+    assert all(rate > 0 for rate in rates) and sum(rates) == pytest.approx(total, rel=0.01, abs=0.2)
+    for replica in summary["replicas"]:
+        assert f"replica {replica['index']} (CPU, pid {replica['pid']})" in stderr
+        assert replica["output_tok_s"] > 0
 
 
 def test_two_replicas_give_the_records_of_one_and_a_prefix_group_meets_on_one_replica(tmp_path):
     rows = [{"id": f"u{i}", "prompt_token_ids": [i % 500 + 1] * (3 + i % 7)} for i in range(12)]
     rows += shared_prefix_rows(groups=2, per_group=4)  # two groups of 4 rows sharing a 32-token (2-block) prefix
     path = write_jsonl(tmp_path / "in.jsonl", rows)
-    (one, by_id), (two, by_id_dp) = run_both(tmp_path, path, "--model", "tiny-qwen3", "--max-tokens", 5,
-                                             "--include-token-ids")
+    (one, by_id), (two, by_id_dp), stderr = run_both(tmp_path, path, "--model", "tiny-qwen3", "--max-tokens", 5,
+                                                     "--include-token-ids")
     assert by_id_dp == by_id and len(by_id) == len(rows)  # the same records, cached_tokens included
     # Every follower hit its group's whole prefix: the group's rows ran on one replica, its leader first.
     for group in range(2):
@@ -72,12 +88,13 @@ def test_two_replicas_give_the_records_of_one_and_a_prefix_group_meets_on_one_re
     assert sum(r["engine"]["requests"] for r in replicas) == len(rows)
     assert two["engine"]["requests"] == len(rows) and two["kv_cache"]["prefix_cache"]["hit_tokens"] == 2 * 3 * 32
     assert "replicas" not in one
+    check_replica_figures(stderr, two)
 
 
 @pytest.mark.slow  # three loads of the embedded model (one engine, then two replicas)
 def test_two_replicas_on_the_embedded_model_give_the_records_of_one(tmp_path):
     """The sample file (text and chat rows) on the embedded SmolLM2, tokenized once in the parent."""
-    (_, by_id), (two, by_id_dp) = run_both(tmp_path, SAMPLE, "--max-tokens", 3, "--include-token-ids")
+    (_, by_id), (two, by_id_dp), _ = run_both(tmp_path, SAMPLE, "--max-tokens", 3, "--include-token-ids")
     assert by_id_dp == by_id and all(r["error"] is None for r in by_id.values())
     assert sum(r["rows"] for r in two["replicas"]) == len(by_id)
 
@@ -199,3 +216,60 @@ def test_a_replica_whose_engine_fails_in_a_step_reports_the_rows_of_that_step(mo
     _, error, problem, ids = messages[1]
     assert ids == ["r0", "r1"]  # the two rows in the failed step (max_num_seqs 2); r2 was never admitted
     assert "device on fire" in error and "line 1 (id 'r0')" in error and "device on fire" in problem
+
+
+class SentMessages:
+    """The parent's end of a pipe to a replica: what was sent on it."""
+
+    def __init__(self):
+        self.sent = []
+
+    def send(self, message):
+        self.sent.append(message)
+
+
+def idle_pool(replicas: int, max_num_seqs: int):
+    """A ReplicaPool's dispatch state without processes: `replicas` replicas with nothing outstanding."""
+    from collections import deque
+
+    from nanovllm_cli.replicas import Placement, Replica, ReplicaPool
+
+    pool = object.__new__(ReplicaPool)
+    pool.replicas = [Replica(i, Placement(None, None, 0), None, SentMessages(), None) for i in range(replicas)]
+    pool.pending, pool.requests, pool.failure = deque(), {}, None
+    pool.chunk, pool.room = max_num_seqs, 2 * max_num_seqs
+    return pool
+
+
+def test_dispatch_sends_each_group_whole_to_the_replica_with_the_fewest_outstanding_tokens():
+    from collections import deque
+
+    from nanovllm import SamplingParams
+    from nanovllm_cli.admission import PrefixGroup
+    from nanovllm_cli.rows import RowRequest
+    from nanovllm_cli.runner import RowFailure
+
+    def group(name, rows, prompt_len, max_tokens=10):
+        return PrefixGroup(deque(RowRequest(f"{name}{i}", f"line {i}", "token_ids", [], SamplingParams(
+            max_tokens=max_tokens), token_ids=[7] * prompt_len) for i in range(rows)))
+
+    def placed(pool):
+        return [[[row.id for row in g] for m in r.send_end.sent for g in m[1]] for r in pool.replicas]
+
+    pool = idle_pool(2, max_num_seqs=3)
+    pool.add([group("long", 1, 200), group("short", 2, 5), group("more", 1, 5)])
+    # 1 row of 210 tokens on replica 0; replica 1 takes both later groups (more rows, far fewer tokens).
+    assert placed(pool) == [[["long0"]], [["short0", "short1"], ["more0"]]]
+    assert [r.outstanding_tokens for r in pool.replicas] == [210, 45]
+    pool.add([group("big", 5, 5)])  # cut into chunks of max_num_seqs, each placed on its own
+    # The first chunk fills replica 1 to 2 x max_num_seqs rows: however few its tokens, the next goes to replica 0.
+    assert placed(pool)[1][-1] == ["big0", "big1", "big2"] and placed(pool)[0][-1] == ["big3", "big4"]
+    assert [len(r.outstanding) for r in pool.replicas] == [3, 6] and pool.wants_rows()
+    pool.add([group("wait", 3, 5)])  # replica 0, at 3 rows, has room; then neither has
+    assert placed(pool)[0][-1] == ["wait0", "wait1", "wait2"] and not pool.wants_rows()
+    pool.add([group("late", 1, 5)])
+    assert [[r.id for r in g] for g in pool.pending] == [["late0"]]
+    pool._finish(pool.replicas[1], "short0", RowFailure("answered", 500))  # a row answered frees room
+    pool._dispatch()
+    assert placed(pool)[1][-1] == ["late0"] and not pool.pending
+    assert len(pool.requests) == 12 and "short0" not in pool.requests
