@@ -255,7 +255,7 @@ def count_records(output: str, fmt: str, layout: RecordLayout) -> dict:
     if not fs.isdir(path) or not fs.ls(path):  # no rows in, no shard out
         return totals
     if fmt == "parquet":
-        shards = ray.data.read_parquet(output, columns=[name for name, _ in fields], num_cpus=0)
+        shards = ray.data.read_parquet(output, num_cpus=0).select_columns([name for name, _ in fields])
     else:
         shards = ray.data.read_json(output, num_cpus=0, parse_options=pajson.ParseOptions(
             explicit_schema=pa.schema(fields), unexpected_field_behavior="ignore"))

@@ -68,6 +68,7 @@ def test_processor_on_a_dataset_matches_nanovllm_run(cluster, text_model, tmp_pa
     assert all(r["error"] is None and r["completion_tokens"] > 0 for r in expected[:5])
 
 
+@pytest.mark.filterwarnings("error::DeprecationWarning:nanovllm_cli.ray_job")  # Ray APIs on their way out
 def test_run_ray_on_a_directory_of_jsonl_writes_parquet_shards(cluster, text_model, tmp_path):
     shards = tmp_path / "in"
     shards.mkdir()
