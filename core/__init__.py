@@ -4,12 +4,12 @@ The public surface is `__all__`: tools such as `nanovllm_cli` use nothing else (
 from nanovllm.engine.dry_run import KVCachePlan, PrefixCacheReplay, block_hashes, plan_kv_cache
 from nanovllm.engine.info import CostModel, EngineInfo
 from nanovllm.engine.llm_engine import LLM, CompletionOutput, RequestOutput, StepFailedError
-from nanovllm.engine.logprob_records import Logprob
+from nanovllm.engine.logprob_records import Logprob, PositionLogprobs
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.structured.params import StructuredOutputsParams, from_response_format
 from nanovllm.tokenization import PromptTokenizer
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "CompletionOutput", "CostModel", "EngineInfo", "KVCachePlan", "Logprob", "PrefixCacheReplay",
-           "PromptTokenizer", "RequestOutput", "SamplingParams", "StepFailedError", "StructuredOutputsParams",
-           "__version__", "block_hashes", "from_response_format", "plan_kv_cache"]
+__all__ = ["LLM", "CompletionOutput", "CostModel", "EngineInfo", "KVCachePlan", "Logprob", "PositionLogprobs",
+           "PrefixCacheReplay", "PromptTokenizer", "RequestOutput", "SamplingParams", "StepFailedError",
+           "StructuredOutputsParams", "__version__", "block_hashes", "from_response_format", "plan_kv_cache"]

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from nanovllm.config import EngineConfig
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.info import EngineInfo, engine_info, engine_report
-from nanovllm.engine.logprob_records import Logprob, TokenTexts, output_logprobs
+from nanovllm.engine.logprob_records import PositionLogprobs, TokenTexts, output_logprobs
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.stats import EngineStats
@@ -37,7 +37,7 @@ class CompletionOutput:
     text: str | None
     token_ids: list[int]
     cumulative_logprob: float | None
-    logprobs: list[dict[int, Logprob]] | None
+    logprobs: PositionLogprobs | None  # a sequence of {token id: Logprob}, as RequestOutput.logprobs
     finish_reason: str | None
     stop_reason: int | str | None
 
@@ -61,9 +61,9 @@ class RequestOutput:
     first_token_time: float | None = None
     finish_time: float | None = None
     # Only for a request that asked (SamplingParams.logprobs / prompt_logprobs), in vLLM's shape: per token a
-    # {token id: Logprob} of the top k and the chosen token; prompt_logprobs[0] is None.
-    logprobs: list[dict[int, Logprob]] | None = None
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # {token id: Logprob} of the top k and the chosen token, built on access; prompt_logprobs[0] is None.
+    logprobs: PositionLogprobs | None = None
+    prompt_logprobs: PositionLogprobs | None = None
     cumulative_logprob: float | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it; None for EOS or length
     # Every completion (n of them; best first when best_of chose them). The fields above are outputs[0]'s.
@@ -312,7 +312,7 @@ class LLM:
         if text is None and self.tokenizer is not None:
             text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
         logprobs = prompt_logprobs = None
-        if seq.output_logprobs is not None or seq.prompt_logprob_entries is not None:
+        if seq.output_logprobs is not None or seq.prompt_logprob_spans is not None:
             logprobs, prompt_logprobs = output_logprobs(seq, self._token_texts)
         completion = CompletionOutput(seq.completion_index, text, seq.output_token_ids, seq.cumulative_logprob,
                                       logprobs, seq.finish_reason, seq.stop_reason)

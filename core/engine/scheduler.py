@@ -304,7 +304,7 @@ class Scheduler:
         """Commit one step (steps are committed in the order they were scheduled) and finish the sequences that
         a stop rule ends; `take_finished` hands them out. `logprobs`: the step's, when some row asked."""
         if logprobs is not None:
-            record_step_logprobs(batch, sampled_token_ids, logprobs)
+            record_step_logprobs(batch, logprobs)
         finished, commit = SequenceStatus.FINISHED, self.block_manager.commit_computed_blocks
         for seq, num_new, samples, epoch, token_id in zip(batch.seqs, batch.num_new_tokens, batch.samples,
                                                            batch.epochs, sampled_token_ids):

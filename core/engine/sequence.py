@@ -36,7 +36,7 @@ class Sequence:
                  "num_hashed_blocks", "hashed_prefix", "num_inflight_tokens", "num_pending_tokens", "epoch",
                  "num_prefix_hit_tokens", "num_preemptions", "finish_reason", "error", "invalid_request", "stop_text",
                  "arrival_time", "first_token_time", "finish_time", "grammar_future", "grammar", "output_logprobs",
-                 "prompt_logprob_entries", "cumulative_logprob", "stop_reason", "parent", "completion_index",
+                 "prompt_logprob_spans", "cumulative_logprob", "stop_reason", "parent", "completion_index",
                  "bad_words_token_ids")
 
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -75,10 +75,9 @@ class Sequence:
         # which only the scheduler advances (postprocess); the runner reads it through the batch to fill masks.
         self.grammar_future: CompileFuture | None = None
         self.grammar: RowGrammar | None = None
-        # Logprob entries (engine/logprob_records.py), only for a request that asked for them.
+        # References into the steps' logprob results (engine/logprob_records.py), only for a request that asked.
         self.output_logprobs: list | None = [] if params.logprobs is not None else None
-        self.prompt_logprob_entries: list | None = (
-            [None] * self.num_prompt_tokens if params.prompt_logprobs is not None else None)
+        self.prompt_logprob_spans: list | None = [] if params.prompt_logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
 
     def __len__(self) -> int:
