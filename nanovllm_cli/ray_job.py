@@ -2,14 +2,19 @@
 (`LLMProcessor`) -> a directory of output shards.
 
 INPUT is a file, a directory (its .jsonl/.ndjson/.parquet files, recursively) or a glob, at any URI fsspec opens
-(s3://, gs://, a local path). Each file is read whole by one Ray task, with `nanovllm run`'s reader, so line numbers
-and bad lines are as in `nanovllm run` (shard big inputs into many files for parallel reading). OUTPUT is a
-directory of shards in the format its name ends with (`results.parquet/`, `results.jsonl/`), as Spark writes.
+(s3://, gs://, a local path). The files are cut into parts of --window lines (Parquet: rows), each part a block of
+its own, so that every engine gets work however few the files (Ray hands a whole block to one actor): a first pass
+finds where each part starts (a JSONL file is read through once for it; a Parquet file's footer is enough), then each
+part is read by a Ray task with `nanovllm run`'s reader, so line numbers and bad lines are as in `nanovllm run`.
+OUTPUT is a directory of shards in the format its name ends with (`results.parquet/`, `results.jsonl/`), as Spark
+writes.
 """
 from __future__ import annotations
 
 import glob
+import itertools
 import json
+import math
 import posixpath
 import re
 import time
@@ -30,11 +35,12 @@ from nanovllm_cli.ray_processor import (
     LLMProcessor,
     records_jsonl_datasink,
 )
-from nanovllm_cli.readers import FORMATS, InvalidJson, detect_format, iter_rows
+from nanovllm_cli.readers import FORMATS, InvalidJson, detect_format, drop_nulls, iter_rows
 from nanovllm_cli.records import RecordLayout
 from nanovllm_cli.rows import is_openai_row
 
 OUTPUT_FORMATS = {".jsonl": "jsonl", ".parquet": "parquet"}
+MAX_PARTS = 10_000  # beyond this, neighbouring parts of a file are merged (Ray's overhead per block)
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,18 @@ class InputFile:
     url: str  # what fsspec opens on any node
     source: str  # its name in row places and default ids ("" when the input is this one file)
     format: str  # "jsonl" | "parquet"
+
+
+@dataclass(frozen=True)
+class InputPart:
+    """Lines (JSONL, blank ones included) or rows (Parquet) [first, first + count) of an input file, numbered from 1."""
+
+    url: str
+    source: str
+    format: str
+    first: int
+    count: int
+    offset: int = 0  # JSONL: the byte its first line starts at
 
 
 @dataclass(frozen=True)
@@ -95,17 +113,103 @@ def _format_of(path: str, override: str | None) -> str | None:
         return None
 
 
-def file_rows(item: dict) -> Iterator[dict]:
-    """A file's rows for the processor: JSON text with their file and number (flat_map)."""
+def file_parts(item: dict, size: int) -> Iterator[dict]:
+    """An InputFile's parts of `size` lines or rows, as InputPart fields (flat_map)."""
+    import fsspec
+    import pyarrow.parquet as pq
+
+    with fsspec.open(item["url"], "rb") as f:
+        if item["format"] == "parquet":
+            rows = pq.ParquetFile(f).metadata.num_rows
+            for first in range(1, rows + 1, size):
+                yield {**item, "first": first, "count": min(size, rows - first + 1), "offset": 0}
+            return
+        first, start = 1, 0  # the current part's first line and the byte it starts at
+        offset = number = 0  # the byte the next line starts at; the lines read
+        for number, line in enumerate(f, 1):
+            if number - first == size:
+                yield {**item, "first": first, "count": size, "offset": start}
+                first, start = number, offset
+            offset += len(line)
+        if number >= first:
+            yield {**item, "first": first, "count": number - first + 1, "offset": start}
+
+
+def plan_parts(files: list[InputFile], size: int) -> list[InputPart]:
+    """The parts of every file (found on the cluster, one task per file), in file order, at most MAX_PARTS."""
+    import ray.data
+
+    cut = (ray.data.from_items([vars(f) for f in files], override_num_blocks=len(files))
+           .flat_map(file_parts, fn_kwargs={"size": size}, num_cpus=0).take_all())
+    order = {f.url: i for i, f in enumerate(files)}
+    return merge_parts(sorted((InputPart(**p) for p in cut), key=lambda p: (order[p.url], p.first)), MAX_PARTS)
+
+
+def merge_parts(parts: list[InputPart], most: int) -> list[InputPart]:
+    """`parts` (in file order) with neighbours of a file merged, as few at a time as leaves at most `most`."""
+    merge = math.ceil(len(parts) / most)
+    if merge <= 1:
+        return parts
+    merged = []
+    for _, of_file in itertools.groupby(parts, key=lambda p: p.url):
+        of_file = list(of_file)
+        for i in range(0, len(of_file), merge):
+            first, *rest = of_file[i:i + merge]
+            merged.append(InputPart(first.url, first.source, first.format, first.first,
+                                    first.count + sum(p.count for p in rest), first.offset))
+    return merged
+
+
+def part_values(f, part: dict) -> Iterator[tuple[int, object]]:
+    """The numbered values of a part of the open file `f` (as `readers.iter_rows` gives a whole file's)."""
+    if part["format"] == "jsonl":
+        f.seek(part["offset"])
+        for number, value in iter_rows(itertools.islice(f, part["count"]), "jsonl"):
+            yield part["first"] - 1 + number, value
+        return
+    import pyarrow.parquet as pq
+
+    parquet = pq.ParquetFile(f)
+    before, groups = 0, []  # rows of the row groups skipped; the row groups to read
+    for group in range(parquet.num_row_groups):
+        rows = parquet.metadata.row_group(group).num_rows
+        if groups or before + rows >= part["first"]:
+            groups.append(group)
+        else:
+            before += rows
+    last = part["first"] + part["count"] - 1
+    number = before
+    for batch in parquet.iter_batches(batch_size=1024, row_groups=groups):
+        for row in batch.to_pylist():
+            number += 1
+            if number > last:
+                return
+            if number >= part["first"]:
+                yield number, drop_nulls(row)
+
+
+def part_rows(part: dict) -> Iterator[dict]:
+    """A part's rows for the processor: JSON text with their file and number (flat_map)."""
     import fsspec
 
-    label = "row" if item["format"] == "parquet" else "line"
-    with fsspec.open(item["url"], "rb") as f:
-        for number, value in iter_rows(f, item["format"]):
+    label = "row" if part["format"] == "parquet" else "line"
+    with fsspec.open(part["url"], "rb") as f:
+        for number, value in part_values(f, part):
             invalid = isinstance(value, InvalidJson)
             yield {ROW_COLUMN: None if invalid else json.dumps(value, default=str),
-                   PROBLEM_COLUMN: value.message if invalid else None, SOURCE_COLUMN: item["source"],
+                   PROBLEM_COLUMN: value.message if invalid else None, SOURCE_COLUMN: part["source"],
                    NUMBER_COLUMN: number, LABEL_COLUMN: label}
+
+
+def read_rows(files: list[InputFile], size: int):
+    """The rows of the files as a Ray dataset of `part_rows`, a block per part of `size` lines or rows.
+    Reading takes no CPU of its own: the engines (one CPU each, or their GPUs) may hold every CPU of a small
+    cluster, and a read waiting for one would wait forever."""
+    import ray.data
+
+    parts = plan_parts(files, size)
+    return (ray.data.from_items([vars(p) for p in parts], override_num_blocks=max(len(parts), 1))
+            .flat_map(part_rows, num_cpus=0))
 
 
 def first_row_is_openai(files: list[InputFile]) -> bool:
@@ -190,10 +294,7 @@ def run_on_ray(job: RayJob) -> dict:
     if model is not None and Path(model).expanduser().exists():
         model = str(Path(model).expanduser().resolve())  # the same path on every node
     layout = RecordLayout(openai=openai, include_token_ids=job.include_token_ids)
-    # Reading and writing files take no CPU of their own: the engines (one CPU each, or their GPUs) may hold
-    # every CPU of a small cluster, and a read waiting for one would wait forever.
-    records = (ray.data.from_items([vars(f) for f in files])
-               .flat_map(file_rows, num_cpus=0)
+    records = (read_rows(files, job.window)
                .map_batches(LLMProcessor, batch_size=job.window, batch_format="pyarrow",
                             compute=ray.data.ActorPoolStrategy(size=job.replicas),
                             num_gpus=(job.engine.tensor_parallel_size or 1) if gpus else 0,
@@ -204,7 +305,7 @@ def run_on_ray(job: RayJob) -> dict:
     mode = ray.data.SaveMode.OVERWRITE if job.overwrite else ray.data.SaveMode.APPEND
     try:
         if out_format == "parquet":
-            records.write_parquet(job.output, mode=mode, ray_remote_args={"num_cpus": 0})
+            records.write_parquet(job.output, mode=mode, ray_remote_args={"num_cpus": 0})  # no CPU: see read_rows
         else:
             records.write_datasink(records_jsonl_datasink(job.output, layout, mode=mode),
                                    ray_remote_args={"num_cpus": 0})

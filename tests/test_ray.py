@@ -4,9 +4,13 @@ Both are checked record by record against `nanovllm run` on the same rows (greed
 exactly): the Ray path reuses its row parser, runner and record builder, and these tests hold it to that.
 """
 import json
+import os
 import socket
 import sys
+import time
+from collections import Counter
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -16,7 +20,10 @@ import ray  # noqa: E402
 import ray.data  # noqa: E402
 from test_cli_run import invoke, write_jsonl, write_parquet  # noqa: E402
 
+from nanovllm_cli import ray_job  # noqa: E402
+from nanovllm_cli.ray_job import InputPart, file_parts, list_input_files, merge_parts, part_values  # noqa: E402
 from nanovllm_cli.ray_processor import LLMProcessor, _batch_rows  # noqa: E402
+from nanovllm_cli.readers import iter_rows  # noqa: E402
 from nanovllm_cli.records import PLAIN_FIELDS  # noqa: E402
 
 ENGINE = {"max_model_len": 256, "cpu_kv_cache_bytes": 32 << 20}
@@ -161,3 +168,50 @@ def test_processor_refuses_batches_that_lose_integer_types(cluster, batch_format
     batch = next(iter(ray.data.from_items(rows).iter_batches(batch_size=2, batch_format=batch_format)))
     with pytest.raises(TypeError, match='pass batch_format="pyarrow" to map_batches'):
         _batch_rows(batch)
+
+
+def parts_of(path, fmt, size):
+    (item,) = [vars(f) for f in list_input_files(str(path), fmt)]
+    return [InputPart(**part) for part in file_parts(item, size)]
+
+
+def values_of(path, parts):
+    values = []
+    for part in parts:
+        with open(path, "rb") as f:
+            values += part_values(f, vars(part))
+    return values
+
+
+def test_parts_of_a_file_give_its_rows_numbered_as_run_reads_them(tmp_path):
+    lines = [{"id": "a", "prompt": "x"}, "", "{not json", *({"id": f"r{i}", "prompt": "é" * i} for i in range(7))]
+    path = write_jsonl(tmp_path / "in.jsonl", lines)
+    path.write_bytes(path.read_bytes().rstrip(b"\n"))  # the last line without its newline
+    parts = parts_of(path, None, 3)
+    assert [(p.first, p.count) for p in parts] == [(1, 3), (4, 3), (7, 3), (10, 1)]
+    assert values_of(path, parts) == list(iter_rows(path, "jsonl"))  # blank and bad lines, numbers, last line
+    rows = [{"id": f"r{i}", "prompt": "x" * i, "max_tokens": i if i % 2 else None} for i in range(10)]
+    path = tmp_path / "in.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=4)  # parts cut across row groups
+    parts = parts_of(path, None, 3)
+    assert [(p.first, p.count) for p in parts] == [(1, 3), (4, 3), (7, 3), (10, 1)]
+    assert values_of(path, parts) == list(iter_rows(path, "parquet"))
+    merged = merge_parts(parts + parts_of(tmp_path / "in.jsonl", None, 3), 3)  # 8 parts, at most 3: by 3
+    assert [(p.format, p.first, p.count) for p in merged] == [
+        ("parquet", 1, 9), ("parquet", 10, 1), ("jsonl", 1, 9), ("jsonl", 10, 1)]
+    assert values_of(path, merged[:2]) == list(iter_rows(path, "parquet"))
+
+
+def test_one_input_file_feeds_every_engine(cluster, tmp_path):
+    """Ray hands a whole block to one actor: a file read as one block would run on one engine alone."""
+
+    class ActorPid:  # each row's actor, slowly enough that no one actor takes every batch (local: pickled whole)
+        def __call__(self, batch):
+            time.sleep(0.1)
+            return pa.table({"pid": [os.getpid()] * batch.num_rows})
+
+    path = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": "x"} for i in range(24)])
+    rows = ray_job.read_rows(list_input_files(str(path), None), 2)
+    pids = Counter(r["pid"] for r in rows.map_batches(ActorPid, batch_size=2, batch_format="pyarrow",
+                                                        compute=ray.data.ActorPoolStrategy(size=2)).take_all())
+    assert len(pids) == 2 and sum(pids.values()) == 24, pids
