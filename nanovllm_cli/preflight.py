@@ -10,7 +10,7 @@ from pathlib import Path
 
 from nanovllm_cli.readers import iter_rows
 from nanovllm_cli.rows import PROMPT_KEYS, is_openai_row, row_fingerprint, row_id
-from nanovllm_cli.writers import Answered, journal_path
+from nanovllm_cli.writers import Answered, journal_path, work_files
 
 SAMPLE_ROWS = 100  # a JSONL file without one object in its first SAMPLE_ROWS rows is not JSON Lines of rows
 
@@ -100,13 +100,22 @@ def prepare_output_dir(output: Path) -> None:
         raise PreflightError(f"cannot write {output}: no write permission in {output.parent}")
 
 
-def check_output(output: Path, input_path: Path, *, resume: bool, overwrite: bool) -> None:
-    """OUTPUT is writable, is not INPUT under any name, and is replaced only when asked to."""
+def check_not_input(output: Path, input_path: Path, lock_path: Path) -> None:
+    """Neither OUTPUT nor a file the job writes beside it (its lock, journal, temporary copies) is INPUT under any
+    name (same device and inode): writing it would destroy the rows. Check before the lock is taken."""
+    if output.exists() and os.path.samefile(output, input_path):
+        raise PreflightError(f"OUTPUT must not be INPUT: {output} is the same file as {input_path}")
+    for path in (lock_path, *work_files(output)):
+        if path.exists() and os.path.samefile(path, input_path):
+            raise PreflightError(f"OUTPUT must not be INPUT: the job writes {path} beside OUTPUT {output}, and that "
+                                 f"is the same file as {input_path}; choose another OUTPUT")
+
+
+def check_output(output: Path, *, resume: bool, overwrite: bool) -> None:
+    """OUTPUT is writable and is replaced only when asked to."""
     if output.exists():
         if output.is_dir():
             raise PreflightError(f"OUTPUT {output} is a folder")
-        if os.path.samefile(output, input_path):
-            raise PreflightError(f"OUTPUT must not be INPUT: {output} is the same file as {input_path}")
         if not os.access(output, os.W_OK):
             raise PreflightError(f"cannot write {output}: no write permission")
     journal = journal_path(output)
@@ -139,10 +148,13 @@ class OutputLockedError(PreflightError):
 
 class OutputLock:
     """An exclusive OS lock (flock) on `OUTPUT.lock`, held while the job writes OUTPUT; the file holds the pid of
-    its holder. The lock goes with the process, however it ends; the file is removed on release."""
+    its holder. The lock goes with the process, however it ends; the file is removed on release. It lies beside
+    the file OUTPUT names after symbolic links are followed, so two names of one OUTPUT share one lock."""
 
     def __init__(self, output: Path):
-        self.path = output.with_name(output.name + ".lock")
+        real = output.resolve()
+        self.output = output
+        self.path = real.with_name(real.name + ".lock")
         self.fd: int | None = None
 
     def acquire(self) -> None:
@@ -153,7 +165,7 @@ class OutputLock:
             except BlockingIOError:
                 holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
                 os.close(fd)
-                raise OutputLockedError(f"OUTPUT {self.path.with_suffix('')} is being written by another run "
+                raise OutputLockedError(f"OUTPUT {self.output} is being written by another run "
                                         f"(pid {holder}); wait for it to end or choose another OUTPUT") from None
             try:
                 same = os.stat(self.path).st_ino == os.fstat(fd).st_ino

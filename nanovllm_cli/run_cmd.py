@@ -197,6 +197,7 @@ def prepare_output(output: Path, input_path: Path, layout: RecordLayout, lock: O
     changed or removed since (without --sync those are an error)."""
     from nanovllm_cli.preflight import (
         PreflightError,
+        check_not_input,
         check_output,
         prepare_output_dir,
         stale_message,
@@ -206,8 +207,9 @@ def prepare_output(output: Path, input_path: Path, layout: RecordLayout, lock: O
 
     try:
         prepare_output_dir(output)
+        check_not_input(output, input_path, lock.path)
         lock.acquire()
-        check_output(output, input_path, resume=resume, overwrite=overwrite)
+        check_output(output, resume=resume, overwrite=overwrite)
         answered = resume_ids(output, layout) if resume else Answered()
         retried = answered.failed if retry_failed else set()
         kept = answered.without(retried)

@@ -58,6 +58,19 @@ def journal_path(path: Path) -> Path:
     return path.with_name(path.name + ".journal.jsonl")
 
 
+def temp_path(path: Path) -> Path:
+    """Where a new version of `path` is written before it atomically replaces `path`."""
+    return path.with_name(path.name + ".tmp")
+
+
+def work_files(path: Path) -> list[Path]:
+    """The files a job writes or replaces beside OUTPUT: its temporary copies and a Parquet OUTPUT's journal."""
+    if not is_parquet(path):
+        return [temp_path(path)]
+    journal = journal_path(path)
+    return [temp_path(path), journal, temp_path(journal)]
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path.parent, os.O_RDONLY)
     try:
@@ -185,7 +198,7 @@ class ParquetWriter:
 
         schema = self.layout.arrow_schema()
         marked = schema.with_metadata({MERGED_JOURNAL_KEY: _journal_marker(self.journal.path).encode()})
-        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp = temp_path(self.path)
         with pq.ParquetWriter(tmp, marked) as out:
             if self.path.exists():
                 for batch in pq.ParquetFile(self.path).iter_batches(batch_size=self.BATCH_ROWS):
@@ -224,7 +237,7 @@ def _replace_durably(tmp: Path, path: Path) -> None:
 
 
 def _drop_jsonl_records(path: Path, id_key: str, ids: set[str]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = temp_path(path)
     with open(path, "rb") as src, open(tmp, "wb") as dst:
         for line in src:
             if line.strip() and str(json.loads(line)[id_key]) not in ids:
@@ -238,7 +251,7 @@ def _drop_parquet_records(path: Path, id_key: str, ids: set[str]) -> None:
     import pyarrow.parquet as pq
 
     source = pq.ParquetFile(path)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = temp_path(path)
     with pq.ParquetWriter(tmp, source.schema_arrow) as out:
         for batch in source.iter_batches():
             keep = pc.invert(pc.is_in(pc.cast(batch.column(id_key), pa.string()), pa.array(sorted(ids), pa.string())))

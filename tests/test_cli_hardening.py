@@ -107,6 +107,19 @@ def test_output_that_is_the_input_under_another_name_is_refused(tmp_path):
     assert path.read_bytes() == before
 
 
+@pytest.mark.parametrize("input_name, output_name, extra", [
+    ("out.parquet.journal.jsonl", "out.parquet", []),  # the journal a Parquet OUTPUT is written through
+    ("out.jsonl.lock", "out.jsonl", ["--input-format", "jsonl"]),  # the lock file, which holds the pid
+])
+def test_a_file_the_job_writes_beside_output_must_not_be_input(tmp_path, input_name, output_name, extra):
+    path = write_jsonl(tmp_path / input_name, rows(3))
+    before = path.read_bytes()
+    result = invoke(path, "-o", tmp_path / output_name, "--overwrite", *extra)
+    assert result.exit_code == 2 and "must not be INPUT" in result.stderr
+    assert f"the job writes {path} beside OUTPUT" in result.stderr
+    assert path.read_bytes() == before
+
+
 def test_a_finished_output_is_not_replaced_without_overwrite(tmp_path):
     path, out = write_jsonl(tmp_path / "in.jsonl", rows(3)), tmp_path / "out.jsonl"
     assert invoke(path, "-o", out).exit_code == 0
@@ -127,6 +140,16 @@ def test_a_second_run_on_a_locked_output_exits_2_naming_the_holder(tmp_path, suf
         assert not out.exists()
     assert invoke(path, "-o", out).exit_code == 0  # released: the next run goes ahead
     assert not (tmp_path / f"out{suffix}.lock").exists()
+
+
+def test_two_names_of_one_output_share_its_lock(tmp_path):
+    path, out = write_jsonl(tmp_path / "in.jsonl", rows(2)), tmp_path / "out.jsonl"
+    (tmp_path / "link.jsonl").symlink_to(out)
+    (tmp_path / "folder").symlink_to(tmp_path, target_is_directory=True)
+    with OutputLock(out):
+        for name in (tmp_path / "link.jsonl", tmp_path / "folder" / "out.jsonl"):
+            result = invoke(path, "-o", name, engine=UNLOADABLE)
+            assert result.exit_code == 2 and f"OUTPUT {name} is being written by another run" in result.stderr
 
 
 def test_the_lock_is_held_while_the_job_runs(tmp_path, monkeypatch):
