@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from nanovllm_cli.readers import InvalidJson, drop_nulls
-from nanovllm_cli.records import RecordLayout
+from nanovllm_cli.records import RecordLayout, record_line
 from nanovllm_cli.rows import RowError, RowParser, RowRequest, row_fingerprint
 
 if TYPE_CHECKING:
@@ -92,8 +92,7 @@ def records_jsonl_datasink(path: str, layout: RecordLayout, **file_datasink_kwar
 
     class RecordsJsonlDatasink(BlockBasedFileDatasink):
         def write_block_to_file(self, block, file) -> None:
-            lines = (json.dumps(record_from_arrow(layout, row), ensure_ascii=False) + "\n"
-                     for row in block.to_arrow().to_pylist())
+            lines = (record_line(record_from_arrow(layout, row)) for row in block.to_arrow().to_pylist())
             file.write("".join(lines).encode("utf-8"))
 
     return RecordsJsonlDatasink(path, file_format="jsonl", **file_datasink_kwargs)

@@ -60,6 +60,16 @@ class RecordLayout:
                 for k, v in record.items()}
 
 
+# Characters JSON may hold raw that Python's str.splitlines (and some editors) take for line ends.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def record_line(record: dict) -> str:
+    """A record as one JSONL line: text as UTF-8, except U+0085, U+2028 and U+2029, escaped, so that every
+    reader (`str.splitlines` too) sees one line per record."""
+    return json.dumps(record, ensure_ascii=False).translate(_LINE_BREAKS) + "\n"
+
+
 def _random_id(prefix: str) -> str:
     return f"{prefix}{uuid.uuid4().hex[:24]}"
 

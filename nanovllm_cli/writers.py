@@ -19,7 +19,7 @@ from pathlib import Path
 
 import xxhash
 
-from nanovllm_cli.records import RecordLayout
+from nanovllm_cli.records import RecordLayout, record_line
 
 FSYNC_INTERVAL_S = 2.0
 MERGED_JOURNAL_KEY = b"nanovllm.merged_journal"
@@ -114,7 +114,7 @@ class JsonlWriter:
         self.unsynced_since: float | None = None
 
     def write(self, record: dict) -> None:
-        self.file.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self.file.write(record_line(record))
         self.file.flush()
         if self.unsynced_since is None:
             self.unsynced_since = time.monotonic()

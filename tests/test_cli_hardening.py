@@ -313,6 +313,15 @@ def test_quiet_still_prints_row_errors(tmp_path):
     assert "line 2: 'prompt' must be a non-empty string, not an integer" in result.stderr
 
 
+def test_every_record_is_one_line_for_any_line_splitter(tmp_path):
+    """JSON may hold U+0085, U+2028 and U+2029 raw; str.splitlines and some editors end a line there."""
+    odd = "a\x85b\u2028c\u2029d"
+    path, out = write_jsonl(tmp_path / "in.jsonl", [{"id": odd, "prompt_token_ids": [1, 2]}]), tmp_path / "out.jsonl"
+    assert invoke(path, "-o", out).exit_code == 0
+    assert [r["id"] for r in records(out)] == [odd]  # records() reads with splitlines
+    assert invoke(path, "-o", out, "--resume").exit_code == 0 and [r["id"] for r in records(out)] == [odd]
+
+
 # ---- progress ------------------------------------------------------------------------------------------------------
 
 def test_progress_counts_tokens_generated_before_any_row_finishes():
