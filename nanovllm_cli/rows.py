@@ -106,8 +106,9 @@ def row_id(number: int, row: object) -> str:
 
 
 def row_fingerprint(row: object) -> str:
-    """A hash of a row's content (keys in any order): `--resume` reruns rows whose input changed."""
-    text = row.message if isinstance(row, InvalidJson) else json.dumps(row, sort_keys=True)
+    """A hash of a row's content (keys in any order): `--resume` reruns rows whose input changed. Values JSON has
+    no type for (a Parquet timestamp, binary or decimal column) count by their repr."""
+    text = row.message if isinstance(row, InvalidJson) else json.dumps(row, sort_keys=True, default=repr)
     return xxhash.xxh64_hexdigest(text.encode("utf-8", "surrogatepass"))
 
 

@@ -3,6 +3,8 @@ loads, OUTPUT protected (lock, not INPUT, no silent replacement), rows that fail
 records, --retry-failed and the exit code, row errors under --quiet, progress from tokens per step."""
 import json
 import os
+from datetime import datetime
+from decimal import Decimal
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -78,6 +80,25 @@ def test_whole_file_mistakes_are_one_message_before_the_model_loads(tmp_path):
         assert result.exit_code == 2, (path, result.stderr)
         assert message in result.stderr and result.stderr.count("error:") == 1, result.stderr
     assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_parquet_columns_json_has_no_type_for_are_fingerprinted_too(tmp_path):
+    """Columns beside the row's fields may be timestamps, bytes or decimals: the job ignores them, and --resume
+    still tells when one changed."""
+    path, out = tmp_path / "in.parquet", tmp_path / "out.jsonl"
+
+    def write(created_b):
+        pq.write_table(pa.table({"id": ["a", "b"], "prompt_token_ids": [[1, 2], [3]],
+                                 "created": [datetime(2024, 1, 1), created_b], "blob": [b"\x00\xff", b"x"],
+                                 "price": pa.array([Decimal("1.5"), Decimal("2")], pa.decimal128(5, 2))}), path)
+
+    write(datetime(2024, 1, 2))
+    assert invoke(path, "-o", out).exit_code == 0
+    assert sorted(r["id"] for r in records(out)) == ["a", "b"]
+    assert invoke(path, "-o", out, "--resume").exit_code == 0
+    write(datetime(2024, 1, 3))
+    result = invoke(path, "-o", out, "--resume", engine=UNLOADABLE)
+    assert result.exit_code == 2 and "1 rows changed since they were answered (e.g. 'b')" in result.stderr
 
 
 def test_inspect_cache_reports_a_file_of_another_format_as_a_usage_error(tmp_path):
