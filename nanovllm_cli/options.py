@@ -90,6 +90,8 @@ class EngineOptions:
             raise ValueError(f"--data-parallel-size must be at least 1, not {self.data_parallel_size}")
         if self.kv_cache_gib is not None and not (math.isfinite(self.kv_cache_gib) and self.kv_cache_gib > 0):
             raise ValueError(f"--kv-cache-gib must be a positive number of GiB, not {self.kv_cache_gib}")
+        if seed is not None and not -(1 << 63) <= seed < 1 << 63:
+            raise ValueError(f"--seed must be an integer in [-2**63, 2**63 - 1], not {seed}")
         args = {"dtype": self.dtype, "kv_cache_dtype": self.kv_cache_dtype, "max_model_len": self.max_model_len,
                 "max_num_seqs": self.max_num_seqs,
                 "max_num_batched_tokens": self.max_num_batched_tokens,

@@ -195,6 +195,9 @@ def test_clear_usage_messages(tmp_path):
     path = write_jsonl(tmp_path / "in.jsonl", rows(1))
     result = invoke(path, "--kv-cache-gib", "-1")
     assert result.exit_code == 2 and "--kv-cache-gib must be a positive number of GiB, not -1.0" in result.stderr
+    for seed in (2**64, -2**63 - 1):  # the engine seeds its generators with int64s
+        result = invoke(path, "--seed", seed)
+        assert result.exit_code == 2 and f"--seed must be an integer in [-2**63, 2**63 - 1], not {seed}" in result.stderr
 
 
 # ---- rows that fail, --retry-failed, exit codes --------------------------------------------------------------------
