@@ -3,7 +3,9 @@ lines): the job exits 0 or 1, every input row gets exactly one record, and nothi
 outcomes (repeated ids, no row an object) must be exit 2 with their one message, and only when they hold.
 
 One engine (a tiny random Llama with SmolLM2's tokenizer and chat template) serves every example."""
+import copy
 import json
+import os
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -13,16 +15,20 @@ from typer.testing import CliRunner
 from nanovllm import LLM
 from nanovllm_cli import options
 from nanovllm_cli.main import app
-from nanovllm_cli.rows import row_id
+from nanovllm_cli.rows import OPENAI_OTHER_KEYS, OPENAI_SAMPLING_KEYS, SAMPLING_FIELDS, row_id
 
 # Values at the edges of what the engine holds (int64, float32, Unicode) come first: hypothesis tries them often.
 EDGES = st.sampled_from([2**63, -2**63 - 1, 2**63 - 1, float("nan"), float("inf"), -float("inf"), 1e39, 0, -1, "",
-                         "\ud800", [], {}])
-SCALARS = (EDGES | st.none() | st.booleans() | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=20)
-           | st.integers(min_value=-2**70, max_value=2**70))
+                         "\ud800", [], {}]).map(copy.deepcopy)  # a fresh copy: rows() may fill a {} it drew
+# Values some field takes (limits of n, logprobs, penalties, logit_bias; constraints), so that fields meet each other.
+VALID = st.sampled_from([128, 20, 2, 100, -100, 2.0, -2.0, 0.5, {"5": 100}, {"5": -100}, [5, 6], ["Hi", "there"],
+                         {"json_object": True}, {"type": "json_object"}, {"choice": ["yes", "no"]},
+                         {"regex": "[a-z]{1,5}"}, {"json": {"type": "integer"}}]).map(copy.deepcopy)
+SCALARS = (EDGES | VALID | st.none() | st.booleans() | st.floats(allow_nan=True, allow_infinity=True)
+           | st.text(max_size=20) | st.integers(min_value=-2**70, max_value=2**70))
 JSON = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
                                                                                           max_size=4), max_leaves=8)
-SAMPLING = ["max_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "seed", "ignore_eos"]
+SAMPLING = list(SAMPLING_FIELDS)
 CHAT = [{"role": "user", "content": "Hi"}]
 TEMPLATES = {
     "prompt": {"id": "p", "prompt": "Hello there", "max_tokens": 3},
@@ -33,11 +39,20 @@ TEMPLATES = {
     "openai_completion": {"custom_id": "o", "method": "POST", "url": "/v1/completions",
                           "body": {"prompt": "Once", "max_tokens": 3}},
 }
-FIELDS = {"prompt": ["id", "prompt", *SAMPLING, "sampling_params"], "messages": ["id", "messages", *SAMPLING],
+
+
+def openai_fields(endpoint: str) -> list[str]:
+    return ["custom_id", "method", "url", "body",
+            *(f"body.{key}" for key in sorted({*OPENAI_SAMPLING_KEYS, *OPENAI_OTHER_KEYS[endpoint]}))]
+
+
+# Every field a row of each form may set, taken from rows.py: a new field is fuzzed as soon as it exists.
+FIELDS = {"prompt": ["id", "prompt", "sampling_params", *SAMPLING],
+          "messages": ["id", "messages", "chat_template_kwargs", "sampling_params", *SAMPLING],
           "token_ids": ["id", "prompt_token_ids", "sampling_params", *SAMPLING],
-          "openai_chat": ["custom_id", "method", "url", "body", "body.messages", "body.n",
-                          *(f"body.{f}" for f in SAMPLING), "body.max_completion_tokens"],
-          "openai_completion": ["custom_id", "url", "body.prompt", *(f"body.{f}" for f in SAMPLING)]}
+          "openai_chat": openai_fields("chat"), "openai_completion": openai_fields("completions")}
+# NANOVLLM_FUZZ_EXAMPLES=3000 searches longer, with a random seed; CI runs the same examples every time.
+EXAMPLES = int(os.environ.get("NANOVLLM_FUZZ_EXAMPLES", 0))
 
 
 @st.composite
@@ -63,7 +78,7 @@ def shared_engine(text_model):
     release()
 
 
-@settings(max_examples=80, deadline=None, derandomize=True,
+@settings(max_examples=EXAMPLES or 200, deadline=None, derandomize=not EXAMPLES,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(lines=st.lists((rows() | JSON).map(json.dumps) | st.sampled_from(["{not json", "[1, 2", "\x00\xff"]),
                       min_size=1, max_size=6))
