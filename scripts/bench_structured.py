@@ -110,12 +110,14 @@ def main() -> None:
                "cached_s": cached_s, "num_compiles": cache.num_compiles})
 
     rows = [compiled.new_row([tokenizer.eos_token_id]) for _ in range(args.rows)]
-    advanced = advance_rows(rows, args.vocab_size, args.max_advance)
+    mask_vocab = cache.mask_vocab_size  # what the host side works over: the tokenizer's ids
+    common["mask_vocab_size"] = mask_vocab
+    advanced = advance_rows(rows, mask_vocab, args.max_advance)
     for threads in ("auto", 1):
         emit(out, {**common, "bench": "fill", "rows": args.rows, "fill_threads": threads,
                    "tokens_advanced_mean": statistics.mean(advanced),
-                   **bench_fill(rows, args.vocab_size, device, threads, args.repeats)})
-    emit(out, {**common, "bench": "accept", "rows": args.rows, **bench_accept(rows, args.vocab_size, args.repeats)})
+                   **bench_fill(rows, mask_vocab, device, threads, args.repeats)})
+    emit(out, {**common, "bench": "accept", "rows": args.rows, **bench_accept(rows, mask_vocab, args.repeats)})
     cache.shutdown()
     if device.type == "cuda":
         for constrained in (args.rows, args.rows // 2):
@@ -123,10 +125,10 @@ def main() -> None:
                        **bench_apply(args.rows, constrained, args.vocab_size, args.repeats)})
 
 
-def bench_fill(rows: list[RowGrammar], vocab_size: int, device: torch.device, threads: int | str,
+def bench_fill(rows: list[RowGrammar], mask_vocab: int, device: torch.device, threads: int | str,
                repeats: int) -> dict:
-    bitmask = BatchBitmask(len(rows), vocab_size, device, fill_threads=threads)
-    host_mask = torch.empty(len(rows), bitmask_width(vocab_size), dtype=torch.int32)
+    bitmask = BatchBitmask(len(rows), mask_vocab, device, fill_threads=threads)
+    host_mask = torch.empty(len(rows), bitmask_width(mask_vocab), dtype=torch.int32)
     host_rows = torch.empty(len(rows), dtype=torch.int64)
     logits_rows = list(range(len(rows)))
     fill = host_ms(lambda: bitmask.fill_host(rows, logits_rows, host_mask, host_rows), repeats)

@@ -66,7 +66,7 @@ def generate(cache, tokenizer, vocab_size, params, rows=12, steps=120, bias=None
     them; the texts of the rows that ended on EOS, and how many did not end."""
     compiled = cache.request(params).result()
     grammars = [compiled.new_row([tokenizer.eos_token_id]) for _ in range(rows)]
-    bitmask = BatchBitmask(rows, vocab_size, "cpu")
+    bitmask = BatchBitmask(rows, cache.mask_vocab_size, "cpu")
     gen = torch.Generator().manual_seed(seed)
     outputs = [[] for _ in range(rows)]
     alive = list(range(rows))
@@ -165,17 +165,36 @@ def test_ebnf_grammar_outputs_match(cache, tokenizer, vocab_size, closing_bias, 
         assert re.fullmatch(r"[1-9][0-9]?( \+ [1-9][0-9]?)*", body), text
 
 
-def test_padded_vocabulary_is_never_allowed(cache, tokenizer, vocab_size):
-    compiled = cache.request(StructuredOutputsParams(json_object=True)).result()
-    row = compiled.new_row([tokenizer.eos_token_id])
-    bitmask = BatchBitmask(1, vocab_size, "cpu")
-    for piece in ['{"a', '": [1', ", 2]}"]:
-        mask = bitmask.prepare([row], [0]).bitmask
-        assert mask.shape == (1, bitmask_width(vocab_size))
-        bits = ((mask[0].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten()
-        assert bits[:len(tokenizer)].any() and not bits[len(tokenizer):vocab_size].any()  # past it: ignored
-        for token in tokenizer.encode(piece):
-            assert row.accept(token)
+@pytest.mark.parametrize("added_tokens", [0, 5])
+def test_ids_past_the_tokenizers_are_never_allowed(smollm_tokenizer_dir, added_tokens):
+    """The grammars cover the tokenizer's ids only (xgrammar's fills and accepts cost several times more per
+    padded id); the model's ids past them become -inf, also when the tokenizer's last word is partly used
+    (xgrammar leaves those bits set) and for a terminated row, which allows every token of the grammar."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm_tokenizer_dir))
+    tokenizer.add_tokens([f"<extra_{i}>" for i in range(added_tokens)])
+    vocab_size = len(tokenizer) + PAD
+    cache = GrammarCompileCache(tokenizer, vocab_size)
+    try:
+        assert cache.mask_vocab_size == len(tokenizer) == 49152 + added_tokens
+        compiled = cache.request(StructuredOutputsParams(json_object=True)).result()
+        row, done = compiled.new_row([tokenizer.eos_token_id]), compiled.new_row([tokenizer.eos_token_id])
+        for token in tokenizer.encode("{}") + [tokenizer.eos_token_id]:
+            assert done.accept(token)
+        bitmask = BatchBitmask(2, cache.mask_vocab_size, "cpu")
+        for piece in ['{"a', '": "', 'xy', '", "b": [1', ", 2]}"]:
+            step = bitmask.prepare([row, done], [1, 0])
+            assert step.bitmask.shape == (2, bitmask_width(len(tokenizer)))
+            logits = torch.zeros(2, vocab_size)
+            step.apply(logits)
+            assert not torch.isinf(logits[0, :len(tokenizer)]).any()  # terminated: its whole grammar vocabulary
+            assert torch.isfinite(logits[1, :len(tokenizer)]).any()
+            assert torch.isinf(logits[:, len(tokenizer):]).all()
+            for token in tokenizer.encode(piece):
+                assert row.accept(token)
+    finally:
+        cache.shutdown()
 
 
 def test_row_grammar_accepts_rejects_ends_and_rolls_back(cache, tokenizer, vocab_size):
@@ -188,7 +207,7 @@ def test_row_grammar_accepts_rejects_ends_and_rolls_back(cache, tokenizer, vocab
     for token in alpha:
         assert row.accept(token)
     assert row.is_completed() and not row.is_terminated()
-    mask = torch.zeros(1, bitmask_width(vocab_size), dtype=torch.int32)
+    mask = torch.zeros(1, bitmask_width(cache.mask_vocab_size), dtype=torch.int32)
     row.fill_bitmask(mask, 0)
     bits = ((mask[0].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten()
     assert bits.nonzero().flatten().tolist() == sorted({eos, 7})  # complete: only the stop tokens
@@ -212,7 +231,7 @@ def test_batched_fill_equals_row_fill(cache, tokenizer, vocab_size):
     for row, prefix in zip(rows, ['{"name": "x', '{"name": "ab", "age": 1', '{', '']):
         for token in tokenizer.encode(prefix):
             assert row.accept(token)
-    batched = BatchBitmask(8, vocab_size, "cpu").prepare(rows, [5, 0, 2, 7])
+    batched = BatchBitmask(8, cache.mask_vocab_size, "cpu").prepare(rows, [5, 0, 2, 7])
     assert batched.row_indices.tolist() == [5, 0, 2, 7]
     single = torch.zeros_like(batched.bitmask)
     for i, row in enumerate(rows):
@@ -367,9 +386,9 @@ def test_device_bitmask_matches_the_host_path(cache, tokenizer, vocab_size):
             assert row.accept(token)
     logits = torch.randn(5, vocab_size)
     on_host = logits.clone()
-    BatchBitmask(4, vocab_size, "cpu").prepare(rows, [4, 0, 2]).apply(on_host)
+    BatchBitmask(4, cache.mask_vocab_size, "cpu").prepare(rows, [4, 0, 2]).apply(on_host)
     on_device = logits.cuda()
-    device_bitmask = BatchBitmask(4, vocab_size, "cuda")
+    device_bitmask = BatchBitmask(4, cache.mask_vocab_size, "cuda")
     for _ in range(3):  # both host slots, reused
         step = device_bitmask.prepare(rows, [4, 0, 2])
     step.apply(on_device)

@@ -56,6 +56,23 @@ def test_kernel_matches_torch_reference(vocab, dtype):
     assert torch.isinf(logits[[0, 2, 3, 5]]).any()  # the masks did mask something
 
 
+@pytest.mark.parametrize("mask_vocab, vocab", [(64, 100), (4096, 4096 + 4096 + 37)])
+def test_tokens_past_a_narrower_bitmask_become_minus_inf(mask_vocab, vocab):
+    """A model's vocabulary padded past its tokenizer's: the bitmask covers the tokenizer's words only."""
+    logits, _, rows = random_case(3, vocab, [2, 0], torch.float32, seed=mask_vocab)
+    bitmask = torch.full((2, bitmask_width(mask_vocab)), -1, dtype=torch.int32, device=DEVICE)  # all allowed
+    bitmask[1] = 0
+    bitmask[1, 0] = 0b1010  # tokens 1 and 3 only
+    expected = logits.clone()
+    expected[2, mask_vocab:] = float("-inf")
+    expected[0] = float("-inf")
+    expected[0, [1, 3]] = logits[0, [1, 3]]
+    reference = logits.clone()
+    apply_token_bitmask_torch(reference, bitmask, rows)
+    apply_token_bitmask_triton(logits, bitmask, rows)
+    assert torch.equal(reference, expected) and torch.equal(logits, expected)  # row 1 untouched
+
+
 def test_kernel_on_a_strided_logits_view():
     logits, bitmask, rows = random_case(4, 1000, [1, 3], torch.float32, seed=1)
     wide = torch.zeros(4, 1100, device=DEVICE)
@@ -83,8 +100,8 @@ def test_empty_and_bad_inputs():
     before = logits.clone()
     apply_token_bitmask(logits, bitmask[:0], torch.empty(0, dtype=torch.int64, device=DEVICE))
     assert torch.equal(logits, before)
-    with pytest.raises(ValueError, match="words per row"):
-        apply_token_bitmask(logits, torch.zeros(1, 3, dtype=torch.int32, device=DEVICE),
+    with pytest.raises(ValueError, match="words per row"):  # wider than the vocabulary (narrower is allowed)
+        apply_token_bitmask(logits, torch.zeros(1, 5, dtype=torch.int32, device=DEVICE),
                             torch.zeros(1, dtype=torch.int64, device=DEVICE))
     with pytest.raises(ValueError, match="int32"):
         apply_token_bitmask(logits, bitmask.long(), torch.zeros(1, dtype=torch.int64, device=DEVICE))

@@ -494,7 +494,7 @@ class ModelRunner:
             return None
         if self._bitmask is None:  # the first constrained step (importing xgrammar costs seconds)
             from nanovllm.structured.batch_bitmask import BatchBitmask
-            self._bitmask = BatchBitmask(self.max_batch_size, self.vocab_size, self.device)
+            self._bitmask = BatchBitmask(self.max_batch_size, batch.grammars[0].mask_vocab_size, self.device)
         return self._bitmask.prepare(batch.grammars, batch.grammar_rows)
 
     def _forward(self, inputs: StepInputs) -> tuple[torch.Tensor | None, TokenLogprobs | None]:

@@ -12,7 +12,7 @@ import torch
 import xgrammar as xgr
 
 from nanovllm.kernels.token_bitmask import apply_token_bitmask, bitmask_width
-from nanovllm.structured.row_grammar import RowGrammar
+from nanovllm.structured.row_grammar import RowGrammar, clear_bits_past
 
 
 @dataclass
@@ -54,11 +54,12 @@ class BatchBitmask:
     A slot is refilled two steps later: its host part once its copy has run, its device part once the kernel
     that read it has run. A StepBitmask must be applied before the second `prepare` after it."""
 
-    def __init__(self, max_rows: int, vocab_size: int, device: torch.device | str, fill_threads: int | str = "auto"):
+    def __init__(self, max_rows: int, mask_vocab_size: int, device: torch.device | str,
+                 fill_threads: int | str = "auto"):
         self.device = torch.device(device)
         self.max_rows = max_rows
-        self.vocab_size = vocab_size
-        width = bitmask_width(vocab_size)
+        self.mask_vocab_size = mask_vocab_size  # the grammars' (RowGrammar.mask_vocab_size): ids past it never allowed
+        width = bitmask_width(mask_vocab_size)
         on_cuda = self.device.type == "cuda"
 
         def slot() -> _Slot:
@@ -77,13 +78,14 @@ class BatchBitmask:
     def fill_host(self, grammars: Sequence[RowGrammar], logits_rows: Sequence[int],
                   bitmask: torch.Tensor, row_indices: torch.Tensor) -> None:
         """The host part alone: `bitmask[i]` <- the next-token mask of `grammars[i]`, `row_indices[i]` <-
-        `logits_rows[i]`, on xgrammar's worker threads; terminated rows allow every token (their sample is
-        discarded)."""
+        `logits_rows[i]`, on xgrammar's worker threads; terminated rows allow every token of the grammars'
+        vocabulary (their sample is discarded)."""
         live = [i for i, g in enumerate(grammars) if not g.is_terminated()]
         if len(live) < len(grammars):
             bitmask[:len(grammars)].fill_(-1)
         if live:
             self._batch_matcher.batch_fill_next_token_bitmask([grammars[i].matcher for i in live], bitmask, live)
+        clear_bits_past(bitmask[:len(grammars)], self.mask_vocab_size)
         row_indices[:len(logits_rows)] = torch.as_tensor(logits_rows, dtype=torch.int64)
 
     def prepare(self, grammars: Sequence[RowGrammar], logits_rows: Sequence[int]) -> StepBitmask | None:

@@ -7,13 +7,22 @@ import torch
 import xgrammar as xgr
 
 
+def clear_bits_past(bitmask: torch.Tensor, vocab_size: int) -> None:
+    """Zero the bits of ids >= `vocab_size` in the last word of each row of `bitmask` (xgrammar may leave them
+    set), so that no id past the grammar's vocabulary is allowed."""
+    if vocab_size % 32:
+        bitmask[:, vocab_size // 32] &= (1 << vocab_size % 32) - 1
+
+
 class RowGrammar:
     """An xgrammar matcher for one row. While the grammar is incomplete its bitmask allows only tokens that keep
     the output a valid prefix; once complete, it also allows the stop tokens (EOS and the row's stop ids), and
     once nothing can follow, only them. Accepting a stop token terminates the row: it finishes with "stop"."""
 
     def __init__(self, grammar: xgr.CompiledGrammar, stop_token_ids: Sequence[int]):
-        stop = sorted(set(stop_token_ids))
+        self.mask_vocab_size = grammar.tokenizer_info.vocab_size  # ids past it are never allowed
+        # a stop id past the tokenizer's ids can never be sampled in a constrained row
+        stop = sorted({t for t in stop_token_ids if t < self.mask_vocab_size})
         if not stop:
             raise ValueError("a constrained row needs at least one stop token id (EOS) to end on")
         self._matcher = xgr.GrammarMatcher(grammar, override_stop_tokens=stop)
@@ -23,6 +32,7 @@ class RowGrammar:
     def fork(self) -> RowGrammar:
         """An independent copy at the same place (a request with `n` > 1 forks its rows)."""
         twin = object.__new__(RowGrammar)
+        twin.mask_vocab_size = self.mask_vocab_size
         twin._matcher = self._matcher.fork()
         twin.stop_token_ids = self.stop_token_ids
         twin.num_accepted = self.num_accepted
@@ -35,12 +45,13 @@ class RowGrammar:
         return accepted
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the allowed next tokens into `bitmask[row]` (host int32, the layout of
+        """Write the allowed next tokens into `bitmask[row]` (host int32 of `mask_vocab_size` bits, the layout of
         nanovllm.kernels.token_bitmask); a terminated row allows every token, since its sample is discarded."""
         if self._matcher.is_terminated():
             bitmask[row].fill_(-1)
         else:
             self._matcher.fill_next_token_bitmask(bitmask, row)
+        clear_bits_past(bitmask[row:row + 1], self.mask_vocab_size)
 
     def is_terminated(self) -> bool:
         """A stop token was accepted: the row is done, with finish reason "stop"."""
