@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import signal
 import time
 import traceback
@@ -131,6 +132,8 @@ def run(
                           include_token_ids=include_token_ids, reorder=reorder, window=window,
                           replicas=ray_replicas or 1, address=ray_address, overwrite=overwrite, quiet=quiet)
         finish(summary, quiet, json_summary)
+    if not (math.isfinite(log_interval) and log_interval > 0):
+        raise o.fail(f"--log-interval must be a positive number of seconds, not {log_interval}")
     input_path = Path(input_path)
     if not input_path.is_file():
         raise o.fail(f"INPUT {input_path} " + ("is a directory: a directory or a glob needs --ray"

@@ -15,6 +15,8 @@ from nanovllm import LLM, SamplingParams
     (dict(load_format="pt"), "load_format"),
     (dict(fused_ops="yes"), "fused_ops"),
     (dict(tensor_parallel_size=3), "does not divide the model's num_attention_heads=4"),
+    (dict(seed=2**64), r"seed=18446744073709551616: must be an integer in \[-2\*\*63"),
+    (dict(seed=-2**63 - 1), "seed="),
 ])
 def test_invalid_engine_arguments_raise_value_error(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -198,6 +198,9 @@ def test_clear_usage_messages(tmp_path):
     for seed in (2**64, -2**63 - 1):  # the engine seeds its generators with int64s
         result = invoke(path, "--seed", seed)
         assert result.exit_code == 2 and f"--seed must be an integer in [-2**63, 2**63 - 1], not {seed}" in result.stderr
+    for interval in ("-1", "nan", "0"):
+        result = invoke(path, "--log-interval", interval)
+        assert result.exit_code == 2 and "--log-interval must be a positive number of seconds" in result.stderr
 
 
 # ---- rows that fail, --retry-failed, exit codes --------------------------------------------------------------------
