@@ -99,6 +99,28 @@ def test_two_replicas_on_the_embedded_model_give_the_records_of_one(tmp_path):
     assert sum(r["rows"] for r in two["replicas"]) == len(by_id)
 
 
+def test_logprobs_come_back_from_the_replicas_as_from_one_engine(tmp_path):
+    """Replicas send their outputs through a pipe: logprobs and prompt logprobs (with their token texts) arrive
+    whole, as one engine gives them (values within float32 rounding of another batch composition)."""
+    rows = [{"id": f"r{i}", "prompt": f"Count to {i}:", "logprobs": 1 + i % 3, "prompt_logprobs": i % 2}
+            for i in range(6)]
+    path = write_jsonl(tmp_path / "in.jsonl", rows)
+    (_, by_id), (_, by_id_dp), _ = run_both(tmp_path, path, "--max-tokens", 4)
+
+    def flat(positions):
+        return [v for p in positions if p is not None
+                for v in (p["token_id"], p["token"], p["rank"], p["logprob"],
+                          *(x for top in p["top_logprobs"] for x in (top["token_id"], top["token"], top["logprob"])))]
+
+    for row_id, record in by_id.items():
+        other = by_id_dp[row_id]
+        for field in ("logprobs", "prompt_logprobs"):
+            ours, theirs = flat(record.pop(field)), flat(other.pop(field))
+            assert ours and [v for v in ours if not isinstance(v, float)] == [v for v in theirs if not isinstance(v, float)]
+            assert ours == pytest.approx(theirs, abs=1e-4)
+    assert by_id_dp == by_id
+
+
 def replica_pids(parent: int) -> list[int]:
     """The replica processes of a job: its spawned children (not multiprocessing's resource tracker)."""
     children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()

@@ -194,3 +194,23 @@ def test_recorded_logprobs_leave_no_objects_for_the_collector(tiny_model_dirs):
     first = outputs[0].logprobs
     assert first == list(first) and first[1:3] == [first[1], first[2]] and first[-1] == list(first)[-1]
     assert len(first[0]) in (5, 6) and first[0][outputs[0].token_ids[0]].rank == 1
+
+
+def test_pickled_logprobs_carry_their_own_rows_and_texts(smollm_dir):
+    """Data-parallel replicas send outputs through a pipe: one request's logprobs must not drag along every row of
+    the steps it shared with others, nor the tokenizer."""
+    import pickle
+
+    llm = LLM(None, max_model_len=256, num_kv_blocks=64)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "SELECT * FROM",
+               "The quick brown fox", "import numpy as np", "Dear Sir or Madam,", "1, 2, 3, 4,"]
+    one = llm.generate(prompts[:1], params)[0]
+    many = llm.generate(prompts, params)[0]  # the same request among seven others
+    for output in (one, many):
+        for positions in (output.logprobs, output.prompt_logprobs):
+            copy = pickle.loads(pickle.dumps(positions))
+            assert copy == positions and list(copy) == list(positions)
+            assert all(p is None or all(isinstance(lp.decoded_token, str) for lp in p.values()) for p in copy)
+    size = len(pickle.dumps(many.logprobs))
+    assert size < 1.2 * len(pickle.dumps(one.logprobs)) and size < 24 * 400, size  # 24 positions of 4 ids or fewer

@@ -121,6 +121,24 @@ class PositionLogprobs(SequenceABC):
     def __repr__(self) -> str:
         return f"PositionLogprobs({list(self)!r})"
 
+    def __reduce__(self):
+        """Pickled (to another process: data-parallel replicas) with this request's rows only, not the whole
+        steps' chunks it points into, and with the texts of its ids instead of the tokenizer."""
+        rows = [ref for ref in self._refs if ref is not None]
+        refs: list[Ref | None] = []
+        decode = None
+        if rows:
+            k = self._num_top
+            chunk = tuple(np.stack([c[f][j] if f < 2 else c[f][j, :k] for c, j in rows]) for f in range(4))
+            at = iter(range(len(rows)))
+            refs = [None if ref is None else (chunk, next(at)) for ref in self._refs]
+            if self._decode is not None:
+                ids = set(self._token_ids) | set(chunk[2].flatten().tolist())
+                decode = {i: self._decode(i) for i in ids}.__getitem__
+        else:
+            refs = list(self._refs)
+        return PositionLogprobs, (self._token_ids, refs, self._num_top, decode)
+
     def _position(self, token_id: int, chunk: LogprobChunk, row: int) -> dict[int, Logprob]:
         logprobs, ranks, top_ids, top_logprobs = chunk
         decode, rank = self._decode, int(ranks[row])
