@@ -1,5 +1,7 @@
 """KV groups (kv_groups.py): how layers share blocks, and windowed groups handing back the blocks behind their
 window in the block manager and the engine."""
+import time
+
 from helpers import make_seq
 
 from nanovllm import LLM, SamplingParams
@@ -133,3 +135,22 @@ def test_engine_memory_of_a_windowed_layer_stays_bounded(arch_model_dirs):
     # its window and a chunk reach (max_blocks_held), whatever the context.
     assert most_global == 15
     assert 2 <= most_windowed <= max_blocks_held((8,), 240, 16, 32) == 4
+
+
+def test_prefix_lookup_stays_linear_when_windowed_blocks_are_gone():
+    """A long prompt whose windowed group lacks its blocks (never cached, or evicted before the global group's):
+    the lookup tries every shorter prefix, which must not rescan the prompt for each (it ran for seconds)."""
+    num_tokens = 6000
+    only_windowed = BlockManager(16, 1, windows=(8,))  # Mistral-like: every layer windowed, nothing cached
+    interleaved = BlockManager(2 * num_tokens + 2, 1, windows=WINDOWS)
+    first = make_seq(list(range(num_tokens)))
+    prefill(interleaved, first)
+    windowed_blocks = entries(first, 0)
+    interleaved.free(first)
+    for block in windowed_blocks:
+        interleaved._forget(interleaved.blocks[block])  # as evictions would: the global group's blocks stay
+    prompt = make_seq(list(range(num_tokens)) + [7])
+    started = time.perf_counter()
+    assert only_windowed.match_prefix(prompt) == [] and interleaved.match_prefix(prompt) == []
+    assert time.perf_counter() - started < 1.0  # linear: ~0.05 s; one scan per prefix length: ~10 s
+

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import numpy as np
 import xxhash
@@ -44,6 +45,12 @@ class PrefixCacheStats:
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
 
+def _last_missing(found: list[list[int]], group: int) -> list[int]:
+    """Per index of `found` (rows of each group's block or NO_BLOCK), the last index up to it where `group`'s
+    block is NO_BLOCK; -1 before the first."""
+    return list(accumulate((index if row[group] == NO_BLOCK else -1 for index, row in enumerate(found)), max))
+
+
 class BlockManager:
     """Owns the physical KV blocks: allocation, ref counts and the prefix cache (docs/ARCHITECTURE.md).
 
@@ -62,6 +69,7 @@ class BlockManager:
         self.hash_fn = hash_fn
         self.windows = windows  # per KV group (kv_groups.py): its sliding window, None for global attention
         self.num_groups = len(windows)
+        self._global_groups = [group for group, window in enumerate(windows) if window is None]
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.used_blocks: set[int] = set()
@@ -97,37 +105,40 @@ class BlockManager:
         for start in range(0, seq.num_tokens - self.block_size + 1, self.block_size):
             token_ids = seq.token_ids[start:start + self.block_size]
             prefix_hash = self.hash_fn(prefix_hash, token_ids)
-            row = []
-            for lookup in self.hash_to_block:
-                block_id = lookup.get(prefix_hash, NO_BLOCK)
-                row.append(block_id if block_id == NO_BLOCK or self.blocks[block_id].token_ids == token_ids
-                           else NO_BLOCK)
-            if NO_BLOCK in [b for b, window in zip(row, self.windows) if window is None]:
+            row = [self._cached(lookup, prefix_hash, token_ids) for lookup in self.hash_to_block]
+            if any(row[group] == NO_BLOCK for group in self._global_groups):
                 break  # a global group misses it: no longer prefix can be served
             found.append(row)
         return self._usable_prefix(found, seq.num_tokens)
 
+    def _cached(self, lookup: dict[int, int], prefix_hash: int, token_ids: list[int]) -> int:
+        """The block of `lookup` holding a full block of `token_ids` after the prefix `prefix_hash`, or NO_BLOCK."""
+        block_id = lookup.get(prefix_hash, NO_BLOCK)
+        return block_id if block_id == NO_BLOCK or self.blocks[block_id].token_ids == token_ids else NO_BLOCK
+
     def _usable_prefix(self, found: list[list[int]], num_tokens: int) -> list[int]:
         """The longest prefix of `found` (per logical block, each group's block or NO_BLOCK; global groups
-        complete) whose windowed groups hold every block their window needs, as flat table entries."""
+        complete) whose windowed groups hold every block their window needs, as flat table entries. Linear in
+        `found`: a long prompt whose windowed blocks are gone must not cost a scan per candidate length."""
+        last_missing = [(window, _last_missing(found, group))
+                        for group, window in enumerate(self.windows) if window is not None]
         for num_blocks in range(len(found), 0, -1):
             first = min(num_blocks * self.block_size, num_tokens - 1)  # the first position left to compute
-            entries = self._entries_from(found[:num_blocks], first)
-            if entries is not None:
-                return entries
+            if all(missing[num_blocks - 1] < self._first_needed(first, window) for window, missing in last_missing):
+                return self._entries_from(found[:num_blocks], first)
         return []
 
-    def _entries_from(self, found: list[list[int]], first: int) -> list[int] | None:
+    def _first_needed(self, first: int, window: int | None) -> int:
+        """The first logical block a group of this `window` reads when computing from position `first` on."""
+        return 0 if window is None else max((first - window + 1) // self.block_size, 0)
+
+    def _entries_from(self, found: list[list[int]], first: int) -> list[int]:
         """Flat table entries of `found` for a sequence computing from position `first` on: NO_BLOCK where a
-        windowed group's block lies behind every window from there; None when a needed block is missing."""
+        windowed group's block lies behind every window from there."""
+        needed_from = [self._first_needed(first, window) for window in self.windows]
         entries: list[int] = []
         for index, row in enumerate(found):
-            for block_id, window in zip(row, self.windows):
-                if window is not None and (index + 1) * self.block_size <= first - window + 1:
-                    block_id = NO_BLOCK
-                elif block_id == NO_BLOCK:
-                    return None
-                entries.append(block_id)
+            entries += [block_id if index >= start else NO_BLOCK for block_id, start in zip(row, needed_from)]
         return entries
 
     def admit(self, seq: Sequence, max_new_tokens: int) -> bool:
