@@ -2,6 +2,7 @@
 window in the block manager and the engine."""
 import time
 
+import pytest
 from helpers import make_seq
 
 from nanovllm import LLM, SamplingParams
@@ -154,3 +155,34 @@ def test_prefix_lookup_stays_linear_when_windowed_blocks_are_gone():
     assert only_windowed.match_prefix(prompt) == [] and interleaved.match_prefix(prompt) == []
     assert time.perf_counter() - started < 1.0  # linear: ~0.05 s; one scan per prefix length: ~10 s
 
+
+@pytest.mark.parametrize("arch", ["gemma2", "mistral"])
+def test_async_loop_equals_sync_loop_through_windows(arch, arch_model_dirs):
+    """The async loop hands back windowed blocks while a step that reads them is in flight (and before it is
+    committed, so they are never hashed): with prompts longer than the windows, in chunks of 16, and a second
+    run served by the prefix cache, its greedy tokens equal the sync loop's."""
+    prompts = [list(range(300, 340)) + [7, 8, 9], list(range(100, 160)), list(range(300, 340)), [5, 6]]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    runs = {}
+    for async_scheduling in (False, True):
+        llm = LLM(str(arch_model_dirs[arch]), max_model_len=128, num_kv_blocks=64, block_size=16,
+                  max_num_batched_tokens=16, async_scheduling=async_scheduling)
+        runs[async_scheduling] = [[o.token_ids for o in llm.generate(prompts, params)] for _ in range(2)]
+        assert llm.get_metrics()["prefix_cache"]["hit_tokens"] > 0
+    assert runs[True] == runs[False] and runs[False][0] == runs[False][1]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_sibling_completions_through_windows_equal_a_single_one(async_scheduling, arch_model_dirs):
+    """n > 1 on interleaved windows: siblings fork from the parent's prompt blocks as far as its windowed group
+    still holds them (a 60-token prompt, windows of 8) and each decodes what a single completion does."""
+    llm = LLM(str(arch_model_dirs["gemma2"]), max_model_len=128, num_kv_blocks=64, block_size=16,
+              max_num_batched_tokens=32, enable_prefix_caching=False, async_scheduling=async_scheduling)
+    prompt = list(range(100, 160))
+    single = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0]
+    llm.reset_stats()
+    output = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, n=3))[0]
+    assert all(c.token_ids == single.token_ids for c in output.outputs)
+    # Each sibling shares the three full blocks (the windowed group only the third) and computes 12 tokens.
+    assert llm.stats.prefill_tokens == len(prompt) + 2 * 12
+    assert llm._block_manager.num_free_blocks == 64
