@@ -186,3 +186,33 @@ def test_sibling_completions_through_windows_equal_a_single_one(async_scheduling
     # Each sibling shares the three full blocks (the windowed group only the third) and computes 12 tokens.
     assert llm.stats.prefill_tokens == len(prompt) + 2 * 12
     assert llm._block_manager.num_free_blocks == 64
+
+
+class _GraphSizes:
+    """Stands in for the CUDA decode graphs on the CPU: the runner pads a decode batch of 3 to graph size 4."""
+
+    @staticmethod
+    def batch_size_for(num_seqs: int) -> int:
+        return 4
+
+    @staticmethod
+    def release() -> None:
+        """Nothing was captured."""
+
+
+def test_decode_graphs_take_a_new_block_per_row_and_group(arch_model_dirs):
+    """Three 16-token prompts of a model with two KV groups all start their second block in the same decode step:
+    six table updates. A graph of 4 rows carries 4 x 2 update slots, so the step still replays a graph (it ran
+    eagerly when a graph carried one update per row)."""
+    llm = LLM(str(arch_model_dirs["gemma2"]), max_model_len=256, num_kv_blocks=64, block_size=16)
+    for i in range(3):
+        llm.add_request(list(range(20 * i + 1, 20 * i + 17)), SamplingParams(temperature=0, max_tokens=4))
+    llm.step()  # the prefills
+    runner = llm._runner
+    runner.graphs = _GraphSizes()
+    batch = llm._scheduler.schedule()
+    assert batch.is_pure_decode and runner.num_groups == 2
+    inputs = runner.prepare(batch)
+    assert inputs.graph_size == 4 and inputs.table_updates.shape == (2, 8)
+    real = [(i, b) for i, b in zip(*inputs.table_updates.tolist()) if i != runner.tables.sink_index]
+    assert len(real) == 6 and {b for _, b in real} == {b for seq in batch.seqs for b in seq.block_table[2:4]}

@@ -283,9 +283,10 @@ class ModelRunner:
         graph_size = self.graphs.batch_size_for(num_seqs) if self.graphs and pure_decode else None
         if plan is not None and plan.prompt_targets is not None:
             graph_size = None  # prompt positions' logits come from the hidden states an eager step keeps
-        if graph_size is not None and num_updates > graph_size:
-            graph_size = None  # a graph applies one table entry per row; a readmitted sequence may bring more
-        num_staged = self._stage_table_updates(host, update_indices, update_blocks, graph_size)
+        if graph_size is not None and num_updates > graph_size * self.num_groups:
+            graph_size = None  # a graph applies a new block per row and KV group; a readmitted sequence brings more
+        num_staged = self._stage_table_updates(host, update_indices, update_blocks,
+                                               graph_size and graph_size * self.num_groups)
         padded_seqs = graph_size or num_seqs
         # The usual steady decode: every input is the last step's sample of the same row, copied on the device.
         copy_all = (len(batch.pending_inputs) == num_seqs and pure_decode
@@ -324,11 +325,11 @@ class ModelRunner:
             graph_size=graph_size)
 
     def _stage_table_updates(self, host: dict[str, np.ndarray], update_indices: list[int], update_blocks: list[int],
-                             graph_size: int | None) -> int:
+                             graph_updates: int | None) -> int:
         """The table entries the device lacks (flat indices, block ids), as the step carries them: a graph's
         fixed number (padded with writes to the sink row), or all of them. Returns that number."""
         num_updates = len(update_blocks)
-        num_staged = graph_size or num_updates
+        num_staged = graph_updates or num_updates
         staged = host["table_updates"]
         staged[:num_updates] = update_indices
         staged[num_staged:num_staged + num_updates] = update_blocks
@@ -429,7 +430,7 @@ class ModelRunner:
         by DecodeGraphs)."""
         views = self._views(size, size, size)
         return StepInputs(
-            **views.step, table_updates=self._table_update_views(size),
+            **views.step, table_updates=self._table_update_views(size * self.num_groups),
             sampling=SamplingTensors(**views.sampling, all_greedy=True, any_filter=False), num_logprob_rows=0,
             num_top_logprobs=0, prompt_logprob_targets=None, num_top_prompt_logprobs=0, num_penalty_rows=0,
             logit_controls=False, max_query_len=1,
