@@ -103,6 +103,30 @@ def test_every_constraint_kind_sync_and_async_give_valid_identical_outputs(llm):
     assert llm.grammar_compile_cache().num_compiles == 5  # json, choice, regex, json_object, bad: once each
 
 
+def test_constraints_with_n_logprobs_stop_strings_and_the_prefix_cache(llm):
+    """n siblings each follow the grammar from the shared prompt (forked matchers), logprobs come with every
+    constrained token, a stop string cuts a constrained output (not complete), and a second run served by the
+    prefix cache gives the same seeded outputs."""
+    llm.set_async_scheduling(True)
+    prompt = "Describe one pet as a JSON object with its kind, age, tags and owner. " * 3
+    params = [SamplingParams(temperature=1.0, seed=7, n=3, logprobs=2, max_tokens=200,
+                             structured_outputs={"json": BOUNDED_SCHEMA}),
+              SamplingParams(temperature=0, max_tokens=20, stop=[" light"], structured_outputs={"choice": ["blue light"]})]
+    runs = [llm.generate([prompt, prompt], params) for _ in range(2)]
+    for schema_out, cut in runs:
+        assert len(schema_out.outputs) == 3 and len({c.text for c in schema_out.outputs}) > 1
+        for c in schema_out.outputs:
+            assert c.finish_reason == "stop", c.text
+            jsonschema.validate(json.loads(c.text), BOUNDED_SCHEMA)
+            assert len(c.logprobs) == len(c.token_ids)
+            chosen = [p[t].logprob for p, t in zip(c.logprobs, c.token_ids)]
+            assert all(-1e9 < lp <= 0 for lp in chosen) and c.cumulative_logprob == pytest.approx(sum(chosen), abs=1e-3)
+        assert (cut.text, cut.finish_reason, cut.stop_reason, cut.structured_complete) == ("blue", "stop", " light", False)
+    first, second = runs
+    assert second[0].num_cached_tokens > 0 and second[1].num_cached_tokens > 0
+    assert [c.token_ids for c in second[0].outputs] == [c.token_ids for c in first[0].outputs]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_every_constraint_kind_under_cuda_graphs_sync_and_async(text_model):

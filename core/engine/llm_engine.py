@@ -322,10 +322,18 @@ class LLM:
             num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_prefix_hit_tokens or 0,
             error=seq.error, invalid_request=seq.invalid_request, arrival_time=seq.arrival_time,
             first_token_time=seq.first_token_time, finish_time=seq.finish_time,
-            structured_complete=None if seq.grammar_future is None else (
-                seq.grammar is not None and seq.grammar.is_completed()),
+            structured_complete=None if seq.grammar_future is None else self._structured_complete(seq, text),
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, cumulative_logprob=seq.cumulative_logprob,
             stop_reason=seq.stop_reason, outputs=[completion])
+
+    def _structured_complete(self, seq: Sequence, text: str | None) -> bool:
+        """Whether the output's text is a complete match of its constraint: the grammar is complete and no stop
+        string cut the text short of what the grammar accepted."""
+        if seq.grammar is None or not seq.grammar.is_completed():
+            return False
+        if seq.stop_text is None or self.tokenizer is None:
+            return True
+        return text == self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
 
     def _group_output(self, group: _Group) -> RequestOutput:
         """One output for the n completions of a request: in index order, or the n of highest cumulative
