@@ -50,3 +50,15 @@ def model_prompt_logits(model, prompt: list[int], chunk: int) -> torch.Tensor:
                 max_seq_len=end)
             logits.append(model.compute_logits(model(torch.tensor(prompt[start:end]), positions, meta)))
     return torch.cat(logits)
+
+
+class GraphSizes:
+    """Stands in for the CUDA decode graphs on the CPU: the runner pads a decode batch of 3 to graph size 4."""
+
+    @staticmethod
+    def batch_size_for(num_seqs: int) -> int:
+        return 4
+
+    @staticmethod
+    def release() -> None:
+        """Nothing was captured."""

@@ -3,7 +3,7 @@ window in the block manager and the engine."""
 import time
 
 import pytest
-from helpers import make_seq
+from helpers import GraphSizes, make_seq
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.block_manager import BlockManager
@@ -188,18 +188,6 @@ def test_sibling_completions_through_windows_equal_a_single_one(async_scheduling
     assert llm._block_manager.num_free_blocks == 64
 
 
-class _GraphSizes:
-    """Stands in for the CUDA decode graphs on the CPU: the runner pads a decode batch of 3 to graph size 4."""
-
-    @staticmethod
-    def batch_size_for(num_seqs: int) -> int:
-        return 4
-
-    @staticmethod
-    def release() -> None:
-        """Nothing was captured."""
-
-
 def test_decode_graphs_take_a_new_block_per_row_and_group(arch_model_dirs):
     """Three 16-token prompts of a model with two KV groups all start their second block in the same decode step:
     six table updates. A graph of 4 rows carries 4 x 2 update slots, so the step still replays a graph (it ran
@@ -209,7 +197,7 @@ def test_decode_graphs_take_a_new_block_per_row_and_group(arch_model_dirs):
         llm.add_request(list(range(20 * i + 1, 20 * i + 17)), SamplingParams(temperature=0, max_tokens=4))
     llm.step()  # the prefills
     runner = llm._runner
-    runner.graphs = _GraphSizes()
+    runner.graphs = GraphSizes()
     batch = llm._scheduler.schedule()
     assert batch.is_pure_decode and runner.num_groups == 2
     inputs = runner.prepare(batch)

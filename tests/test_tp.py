@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing
 import torch.nn.functional as F
-from helpers import process_alive
+from helpers import GraphSizes, process_alive
 from reference import hf_greedy, load_hf_model
 from test_engine_hf import ARCH_PROMPTS, CHATS, MAX_NEW, TINY_PROMPTS
 
@@ -181,25 +181,13 @@ def test_releases_run_before_an_orderly_group_teardown_only():
 
 # ---- the step's trip to the workers ----------------------------------------------------------------------------
 
-class _GraphSizes:
-    """Stands in for the CUDA decode graphs on the CPU: the runner pads a decode batch of 3 to graph size 4."""
-
-    @staticmethod
-    def batch_size_for(num_seqs: int) -> int:
-        return 4
-
-    @staticmethod
-    def release() -> None:
-        """Nothing was captured."""
-
-
 def test_step_packing_round_trip():
     """A padded decode step, with seeded sampling: every field arrives with its dtype, shape and value."""
     rank0 = LLM("tiny-qwen3", max_model_len=256, num_kv_blocks=32)
     for prompt in ([1, 2, 3, 4, 5] * 5, [7, 8], [9] * 20):
         rank0.add_request(prompt, SamplingParams(temperature=0.7, top_k=5, max_tokens=4, seed=1))
     rank0.step()  # the prefills
-    rank0._runner.graphs = _GraphSizes()
+    rank0._runner.graphs = GraphSizes()
     batch = rank0._scheduler.schedule()
     assert batch.is_pure_decode
     sent = rank0._runner.prepare(batch)
@@ -224,7 +212,7 @@ def test_graph_steps_carry_one_table_entry_per_row_or_run_eagerly():
     llm.add_request(list(range(3, 73)), SamplingParams(temperature=0, max_tokens=4))  # 70 tokens: 5 blocks
     llm.step()
     runner, seq = llm._runner, llm._scheduler.running[0]
-    runner.graphs = _GraphSizes()
+    runner.graphs = GraphSizes()
     batch = llm._scheduler.schedule()
     inputs = runner.prepare(batch)
     assert inputs.graph_size == 4 and inputs.table_updates.tolist() == [[runner.tables.sink_index] * 4, [0] * 4]
