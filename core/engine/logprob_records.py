@@ -125,8 +125,7 @@ class PositionLogprobs(SequenceABC):
         """Pickled (to another process: data-parallel replicas) with this request's rows only, not the whole
         steps' chunks it points into, and with the texts of its ids instead of the tokenizer."""
         rows = [ref for ref in self._refs if ref is not None]
-        refs: list[Ref | None] = []
-        decode = None
+        refs, decode = list(self._refs), None
         if rows:
             k = self._num_top
             chunk = tuple(np.stack([c[f][j] if f < 2 else c[f][j, :k] for c, j in rows]) for f in range(4))
@@ -135,17 +134,13 @@ class PositionLogprobs(SequenceABC):
             if self._decode is not None:
                 ids = set(self._token_ids) | set(chunk[2].flatten().tolist())
                 decode = {i: self._decode(i) for i in ids}.__getitem__
-        else:
-            refs = list(self._refs)
         return PositionLogprobs, (self._token_ids, refs, self._num_top, decode)
 
     def _position(self, token_id: int, chunk: LogprobChunk, row: int) -> dict[int, Logprob]:
         logprobs, ranks, top_ids, top_logprobs = chunk
         decode, rank = self._decode, int(ranks[row])
-        top_ids = top_ids[row, :self._num_top].tolist()
-        top_logprobs = top_logprobs[row, :self._num_top].tolist()
-        out = {tid: Logprob(lp, r + 1, decode(tid) if decode else None)
-               for r, (tid, lp) in enumerate(zip(top_ids, top_logprobs))}
+        ids, values = top_ids[row, :self._num_top].tolist(), top_logprobs[row, :self._num_top].tolist()
+        out = {tid: Logprob(lp, r + 1, decode(tid) if decode else None) for r, (tid, lp) in enumerate(zip(ids, values))}
         if token_id in out:
             out[token_id].rank = rank
         else:
