@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from nanovllm.attention.kv_quant import KV_CACHE_DTYPES, resolve_kv_cache_dtype
+from nanovllm.sampling_params import is_int64
 
 _DTYPES = {"auto", "float32", "float16", "bfloat16"}
 _LOAD_FORMATS = {"auto", "dummy"}
@@ -79,8 +80,7 @@ class EngineConfig:
         check(self.quantization in _QUANTIZATIONS, "quantization",
               f"must be one of {sorted(q for q in _QUANTIZATIONS if q)} (or None)")
         check(self.device in (None, "cpu", "cuda"), "device", "must be 'cpu' or 'cuda'")
-        check(isinstance(self.seed, int) and not isinstance(self.seed, bool) and -2**63 <= self.seed < 2**63, "seed",
-              "must be an integer in [-2**63, 2**63 - 1]")  # torch's generators take int64 seeds
+        check(is_int64(self.seed), "seed", "must be an integer in [-2**63, 2**63 - 1]")  # torch's generators: int64
         check(self.revision is None or (isinstance(self.revision, str) and self.revision != ""), "revision",
               "must be a non-empty branch, tag or commit name")
         check(isinstance(self.fused_ops, bool), "fused_ops", "must be True or False")

@@ -9,7 +9,7 @@ _INT64 = (-(1 << 63), (1 << 63) - 1)
 _FLOAT32_MAX = 3.4028234663852886e38
 
 
-def _is_int64(value: object) -> bool:
+def is_int64(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and _INT64[0] <= value <= _INT64[1]
 
 
@@ -99,21 +99,21 @@ class SamplingParams:
 
         if not _is_float32(self.temperature) or self.temperature < 0:
             raise bad("temperature", "must be a finite number >= 0")
-        if not _is_int64(self.top_k) or (self.top_k < 1 and self.top_k not in (0, -1)):
+        if not is_int64(self.top_k) or (self.top_k < 1 and self.top_k not in (0, -1)):
             raise bad("top_k", "must be a positive integer (at most 2**63 - 1), or -1/0 to disable")
         if not _is_float32(self.top_p) or not 0 < self.top_p <= 1:
             raise bad("top_p", "must be a number in (0, 1]")
         if not _is_float32(self.min_p) or not 0 <= self.min_p <= 1:
             raise bad("min_p", "must be a number in [0, 1]")
-        if not _is_int64(self.max_tokens) or self.max_tokens < 1:
+        if not is_int64(self.max_tokens) or self.max_tokens < 1:
             raise bad("max_tokens", "must be an integer in [1, 2**63 - 1]")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop", "must be a list of non-empty strings")
-        if not all(_is_int64(t) and t >= 0 for t in self.stop_token_ids):
+        if not all(is_int64(t) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be a list of integers in [0, 2**63 - 1]")
         if not isinstance(self.ignore_eos, bool):
             raise bad("ignore_eos", "must be True or False")
-        if self.seed is not None and not _is_int64(self.seed):
+        if self.seed is not None and not is_int64(self.seed):
             raise bad("seed", "must be an integer in [-2**63, 2**63 - 1] or None")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise bad("structured_outputs", "must be a StructuredOutputsParams, a dict of its fields, or None")
@@ -128,7 +128,7 @@ class SamplingParams:
         number = _is_float32
 
         def token_id(value) -> bool:
-            return _is_int64(value) and value >= 0
+            return is_int64(value) and value >= 0
 
         if not number(self.repetition_penalty) or self.repetition_penalty <= 0:
             raise bad("repetition_penalty", "must be a finite number > 0")
