@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.paged_tile import attend_paged_tile, score_scales
+from nanovllm.kernels.paged_tile import attend_paged_tile, dot_query, score_scales
 from nanovllm.kernels.pdl import await_previous_kernel, pdl_launch_args
 
 # Below this many keys per split, writing and merging partial results costs more than the parallelism gains.
@@ -49,7 +49,7 @@ def _decode_kernel(q, k_cache, v_cache, out, part_out, part_lse, block_tables, s
                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
                    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-                   PDL: tl.constexpr):
+                   FP16_DOTS: tl.constexpr, PDL: tl.constexpr):
     await_previous_kernel(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -70,6 +70,7 @@ def _decode_kernel(q, k_cache, v_cache, out, part_out, part_lse, block_tables, s
     head_ok = offs_h < GROUP
     query = tl.load(q + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                     mask=head_ok[:, None], other=0.0)
+    query, qk_scale = dot_query(query, qk_scale, FP16_DOTS)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -147,6 +148,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE=page,
         BLOCK_N=config.block_n, SPLIT=num_splits > 1, WINDOW=window is not None, SOFTCAP=softcap is not None,
+        FP16_DOTS=k_cache.dtype.itemsize == 1 and q.dtype.itemsize == 2,
         num_warps=config.num_warps, num_stages=config.num_stages,
         **pdl_launch_args(q),
     )

@@ -16,6 +16,19 @@ def score_scales(scale: float, softcap: float | None, k_scale: float = 1.0) -> t
 
 
 @triton.jit
+def dot_query(query, qk_scale, FP16_DOTS: tl.constexpr):
+    """(query, qk_scale) as attend_paged_tile takes them. FP16_DOTS (an FP8 cache and a 16-bit query): the tiles'
+    dots run in fp16, since FP8 -> fp16 is one conversion instruction per pair of values on Hopper and FP8 -> bf16
+    several, and at half the bytes those conversions bound the kernel. The query is pre-scaled by qk_scale (then
+    1) so that it stays far inside fp16's range; fp16 holds every FP8 value exactly and the softmax weights more
+    finely than bf16. An fp32 query (the CPU's reference mode) keeps fp32 dots."""
+    if FP16_DOTS:
+        query = (query.to(tl.float32) * qk_scale).to(tl.float16)
+        qk_scale = 1.0
+    return query, qk_scale
+
+
+@triton.jit
 def attend_paged_tile(q, acc, m_i, l_i, k_head, v_head, table_row, start, kv_end, q_pos, qk_scale,
                       stride_kb, stride_ks, stride_vb, stride_vs, window, softcap,
                       PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
@@ -24,8 +37,8 @@ def attend_paged_tile(q, acc, m_i, l_i, k_head, v_head, table_row, start, kv_end
 
     q: [M, HEAD_DIM]; acc: [M, HEAD_DIM] fp32; m_i, l_i: [M] fp32 running max (log2 units) and sum.
     k_head/v_head point at one KV head of the caches; table_row at the sequence's block-table row.
-    The caches may be of q's type or FP8 (read as q's type); an FP8 cache's K scale is folded into qk_scale and its
-    V scale is the caller's to apply to the output (acc / l_i * v_scale): see score_scales.
+    The caches may be of q's type or FP8 (read as q's type: fp16 after dot_query); an FP8 cache's K scale is folded
+    into qk_scale and its V scale is the caller's to apply to the output (acc / l_i * v_scale): see score_scales.
     Scores are in log2 units: without SOFTCAP s = q.k * qk_scale with qk_scale = scale * log2(e). SOFTCAP (Gemma 2's
     attention soft-capping, cap * tanh(q.k * scale / cap)): qk_scale = scale / cap and softcap = cap * log2(e).
     CAUSAL: row r sees only keys at positions <= q_pos[r]. WINDOW: row r sees only keys at positions

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.paged_tile import attend_paged_tile, score_scales
+from nanovllm.kernels.paged_tile import attend_paged_tile, dot_query, score_scales
 from nanovllm.kernels.pdl import await_previous_kernel, pdl_launch_args
 
 
@@ -38,7 +38,7 @@ def _prefill_kernel(q, k_cache, v_cache, out, block_tables, seq_lens, query_star
                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-                    PDL: tl.constexpr):
+                    FP16_DOTS: tl.constexpr, PDL: tl.constexpr):
     await_previous_kernel(PDL)
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -58,6 +58,7 @@ def _prefill_kernel(q, k_cache, v_cache, out, block_tables, seq_lens, query_star
     row_ok = (offs_r < TOKENS * GROUP) & (tok < q_len)
     query = tl.load(q + (q_start + tok)[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                     mask=row_ok[:, None], other=0.0)
+    query, qk_scale = dot_query(query, qk_scale, FP16_DOTS)
     q_pos = first + offs_r // GROUP
     k_head = k_cache + kv_head * stride_kh
     v_head = v_cache + kv_head * stride_vh
@@ -117,6 +118,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, PAGE=page, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         WINDOW=window is not None, SOFTCAP=softcap is not None, num_warps=config.num_warps,
+        FP16_DOTS=k_cache.dtype.itemsize == 1 and q.dtype.itemsize == 2,
         num_stages=config.num_stages, **pdl_launch_args(q),
     )
     return out

@@ -1,5 +1,5 @@
-"""Kernels compile for sm_90 (Hopper), even on a machine without a GPU: sampling, and the KV store into 16-bit
-and FP8 caches.
+"""Kernels compile for sm_90 (Hopper), even on a machine without a GPU: sampling, the KV store into 16-bit
+and FP8 caches, and the decode and prefill attention kernels reading either.
 
 Triton's interpreter, which runs the kernel tests on the CPU, accepts code that the compiler rejects (a module
 global that is not a constexpr, a variable whose type changes inside a branch): compiling ahead of time with
@@ -21,7 +21,9 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+import nanovllm.kernels.decode_attention as D
 import nanovllm.kernels.kv_cache as K
+import nanovllm.kernels.prefill_attention as P
 import nanovllm.kernels.sampling as S
 
 def build(fn, signature, constexprs, num_warps, aligned):
@@ -47,6 +49,21 @@ for cache, fp8_max in (("*bf16", 0.0), ("*fp8e4nv", 448.0), ("*fp8e5", 57344.0))
     constexprs = {"NUM_KV_HEADS": 8, "BLOCK_H": 8, "HEAD_DIM": 128, "PAGE": 16, "FP8_MAX": fp8_max, "PDL": False}
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     build(K._store_kvcache_kernel, signature, constexprs, 4, [])
+for cache in ("*bf16", "*fp8e4nv", "*fp8e5"):
+    fp8 = cache != "*bf16"
+    for kernel, pointers, extra in ((D._decode_kernel, 8, {"BLOCK_H": 16, "SPLIT": False}),
+                                    (P._prefill_kernel, 7, {"BLOCK_M": 128})):
+        names = kernel.arg_names
+        constexprs = {name: value for name, value in dict(
+            GROUP=2, HEAD_DIM=128, PAGE=16, BLOCK_N=128 if fp8 else 64, WINDOW=False, SOFTCAP=False,
+            FP16_DOTS=fp8, PDL=False, **extra).items() if name in names}
+        types = ["*bf16", cache, cache] + ["*fp32"] * (pointers - 3)  # q, caches, outputs / tables / lengths
+        types = [t if name not in ("block_tables", "seq_lens", "query_start_loc") else "*i32"
+                 for name, t in zip(names, types)]
+        types += ["fp32", "fp32", "i32", "fp32"] + ["i32"] * 11  # scales, window, softcap, strides
+        signature = dict(zip(names, types))
+        signature.update(dict.fromkeys(constexprs, "constexpr"))
+        build(kernel, signature, constexprs, 4, [])
 print("compiled")
 """
 
