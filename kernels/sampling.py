@@ -1,4 +1,4 @@
-"""Fused sampling: temperature, top-k, top-p, min-p (any mix per row) and greedy rows, one program per row.
+"""Fused sampling: temperature, top-k, top-p, min-p (any mix per row) and greedy rows.
 
 The rule (the torch path `nanovllm.layers.sampler.reference_sample` states it the same way and is the oracle):
 
@@ -14,12 +14,25 @@ The rule (the torch path `nanovllm.layers.sampler.reference_sample` states it th
     `h_i = mix32(row_key ^ (i * GOLDEN))`, `row_key = mix32(mix32(mix32(seed_lo ^ SALT) ^ seed_hi) ^ position)`.
     A seeded row's token therefore depends on its logits, seed and position only, never on the batch.
 
-How it avoids sorting the vocabulary: after one pass for (max, finite min, softmax mass) the kernel searches the
-threshold of the first active filter (count mode for top-k, mass mode for top-p) with PIVOTS thresholds per pass
-over the row, narrowing [lo, hi) (lo satisfies the filter's target, hi does not). For a top-k of at most CAP
-the first kernel, as soon as at most CAP tokens lie at or above lo, gathers them (value, id) into a per-row
-scratch, sorts those in registers and finishes every threshold and the Gumbel-max draw there: no further pass.
-Temperature-only rows take a single pass (draw over all), min-p-only rows two.
+The split path (rows with top-k <= SLOTS, with or without top-p and min-p, and temperature-only rows) reads the
+logits once, spread over many programs per row. The first kernel, grid (rows, chunks), loads a chunk of CHUNK
+logits into registers; for a top-k row it finds, by a count search over those registers, a threshold at or below
+the chunk's min(k, finite)-th largest logit with at most SLOTS tokens at or above it, and writes those (sort keys:
+value, then id) and their count. The row's top-k with ties lies in the union of the chunks' (a token the chunk's
+threshold drops has k larger tokens in its chunk alone), and that union holds the row maximum and, when fewer
+than k tokens are finite, every finite token: so k_target = min(k, candidates). The second kernel, one program per
+row, sorts the row's candidates in registers (first narrowed to at most FINISH_SORT holding the top-k with ties,
+by the same count search, when that many suffice) and finishes as the per-row path does below (same helpers). A
+temperature-only row's chunk writes its Gumbel-max winner (score, id); the finish takes the best. A chunk with
+more than SLOTS tokens tied at its threshold (or MAX_PASSES) marks its row WIDE, for the wide kernel below.
+
+The per-row path, one program per row, takes every other row (every row when `slots` is 0). How it avoids
+sorting the vocabulary: after one pass for (max, finite min, softmax mass) the kernel searches the threshold of the
+first active filter (count mode for top-k, mass mode for top-p) with PIVOTS thresholds per pass over the row,
+narrowing [lo, hi) (lo satisfies the filter's target, hi does not). For a top-k of at most CAP the first kernel,
+as soon as at most CAP tokens lie at or above lo, gathers them (value, id) into a per-row scratch, sorts those in
+registers and finishes every threshold and the Gumbel-max draw there: no further pass. Temperature-only rows take
+a single pass (draw over all), min-p-only rows two.
 
 Rows with top-k > CAP or top-p without top-k, and top-k rows whose search still has more than CAP tokens at or
 above lo (ties, or MAX_PASSES), are left by that first kernel to a second one, which every other row leaves at
@@ -52,6 +65,13 @@ DEFAULT_BLOCK = 4096
 DEFAULT_WARPS = 16
 PIVOTS = 8
 MAX_PASSES = 12
+# The split path (top-k up to DEFAULT_SLOTS, and temperature-only rows): chunks of DEFAULT_CHUNK logits.
+# Untimed guesses, to be swept with scripts/bench_sampler.py --sweep.
+DEFAULT_CHUNK = 4096
+DEFAULT_SLOTS = 64
+DEFAULT_SPLIT_WARPS = 8
+DEFAULT_FINISH_WARPS = 16
+DEFAULT_FINISH_SORT = 256
 
 
 @triton.jit
@@ -169,6 +189,30 @@ def _count_and_mass_above(x, pivots, row_max, inv_t, counts, masses):
 
 
 @triton.jit
+def _pivots(lo, top, lanes, PIVOTS: tl.constexpr):
+    """PIVOTS thresholds spread over (lo, top], the last one top itself."""
+    pivots = lo + (top - lo) * ((lanes + 1).to(tl.float32) / PIVOTS)
+    return tl.where(lanes == PIVOTS - 1, top, pivots)
+
+
+@triton.jit
+def _narrow(pivots, counts, masses, reached, lo, hi, count_lo, count_hi, mass_lo, mass_hi, PIVOTS: tl.constexpr):
+    """[lo, hi) narrowed to the last pivot that reaches the target and the first that does not, with the (count,
+    mass) at or above each: the weight falls as the pivot rises, so a prefix of the pivots reaches it."""
+    lanes = tl.arange(0, PIVOTS)
+    num_valid = tl.sum(reached.to(tl.int32), axis=0)
+    if num_valid > 0:
+        lo = _pick(pivots, num_valid - 1, lanes)
+        count_lo = _pick(counts, num_valid - 1, lanes)
+        mass_lo = _pick(masses, num_valid - 1, lanes)
+    if num_valid < PIVOTS:
+        hi = _pick(pivots, num_valid, lanes)
+        count_hi = _pick(counts, num_valid, lanes)
+        mass_hi = _pick(masses, num_valid, lanes)
+    return lo, hi, count_lo, count_hi, mass_lo, mass_hi
+
+
+@triton.jit
 def _search(base, vocab, row_max, inv_t, lo, count_lo, mass_lo, target, BY_MASS: tl.constexpr,
             TRACK_MASS: tl.constexpr, BLOCK: tl.constexpr, PIVOTS: tl.constexpr, CAP: tl.constexpr,
             MAX_PASSES: tl.constexpr):
@@ -185,8 +229,7 @@ def _search(base, vocab, row_max, inv_t, lo, count_lo, mass_lo, target, BY_MASS:
     top = tl.minimum(hi, row_max)
     SUB: tl.constexpr = BLOCK // 4
     while (count_lo > CAP) & (count_lo - count_hi > CAP) & (lo < top) & (passes < MAX_PASSES):
-        pivots = lo + (top - lo) * ((lanes + 1).to(tl.float32) / PIVOTS)
-        pivots = tl.where(lanes == PIVOTS - 1, top, pivots)
+        pivots = _pivots(lo, top, lanes, PIVOTS)
         # four loads in flight before the first is used: one program per row must hide memory latency itself
         if TRACK_MASS:
             counts = tl.zeros([PIVOTS], dtype=tl.int32)
@@ -217,15 +260,8 @@ def _search(base, vocab, row_max, inv_t, lo, count_lo, mass_lo, target, BY_MASS:
             reached = masses >= target
         else:
             reached = counts.to(tl.float32) >= target
-        num_valid = tl.sum(reached.to(tl.int32), axis=0)  # W falls as the pivot rises: a prefix reaches it
-        if num_valid > 0:
-            lo = _pick(pivots, num_valid - 1, lanes)
-            count_lo = _pick(counts, num_valid - 1, lanes)
-            mass_lo = _pick(masses, num_valid - 1, lanes)
-        if num_valid < PIVOTS:
-            hi = _pick(pivots, num_valid, lanes)
-            count_hi = _pick(counts, num_valid, lanes)
-            mass_hi = _pick(masses, num_valid, lanes)
+        lo, hi, count_lo, count_hi, mass_lo, mass_hi = _narrow(pivots, counts, masses, reached, lo, hi, count_lo,
+                                                               count_hi, mass_lo, mass_hi, PIVOTS)
         top = tl.minimum(hi, row_max)
         passes += 1
     if count_lo <= CAP:
@@ -233,6 +269,26 @@ def _search(base, vocab, row_max, inv_t, lo, count_lo, mass_lo, target, BY_MASS:
         count_hi = tl.full([], 0, tl.int32)
         mass_hi = tl.full([], 0.0, tl.float32)
     return lo, hi, count_lo, count_hi, mass_lo, mass_hi
+
+
+NO_KEY = tl.constexpr(-9223372036854775808)  # below every key
+
+
+@triton.jit
+def _sort_key(values, ids):
+    """int64 keys of (fp32 value, token id): key order == value order, then id descending (the smaller id first
+    in a descending sort or a max)."""
+    bits = values.to(tl.int32, bitcast=True)
+    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # int order == float order
+    return (ordered.to(tl.int64) << 32) | (0xFFFFFFFF - ids.to(tl.int64))
+
+
+@triton.jit
+def _from_key(keys):
+    """(values, ids) of _sort_key's keys."""
+    ordered = (keys >> 32).to(tl.int32)
+    values = tl.where(ordered < 0, ordered ^ 0x7FFFFFFF, ordered).to(tl.float32, bitcast=True)
+    return values, 0xFFFFFFFF - (keys & 0xFFFFFFFF)
 
 
 @triton.jit
@@ -244,18 +300,12 @@ def _gather_sorted(base, vocab, lo, hi, scratch_row, counter, BLOCK: tl.constexp
         x, cols = _load(base, start, vocab, BLOCK)
         chosen = (x >= lo) & (x < hi)
         slot = tl.atomic_add(counter + tl.zeros_like(cols), 1, mask=chosen, sem="relaxed")
-        bits = x.to(tl.int32, bitcast=True)
-        ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # int order == float order
-        key = (ordered.to(tl.int64) << 32) | (0xFFFFFFFF - cols.to(tl.int64))
-        tl.store(scratch_row + slot, key, mask=chosen & (slot < CAP))
+        tl.store(scratch_row + slot, _sort_key(x, cols), mask=chosen & (slot < CAP))
     tl.debug_barrier()
     filled = tl.atomic_add(counter, 0, sem="relaxed")  # read at the L2, where the increments are
     lanes = tl.arange(0, CAP)
-    keys = tl.load(scratch_row + lanes, mask=lanes < filled, other=-9223372036854775808)
-    keys = tl.sort(keys, descending=True)
-    ordered = (keys >> 32).to(tl.int32)
-    values = tl.where(ordered < 0, ordered ^ 0x7FFFFFFF, ordered).to(tl.float32, bitcast=True)
-    ids = 0xFFFFFFFF - (keys & 0xFFFFFFFF)
+    keys = tl.load(scratch_row + lanes, mask=lanes < filled, other=NO_KEY)
+    values, ids = _from_key(tl.sort(keys, descending=True))
     return values, ids, lanes < filled
 
 
@@ -283,8 +333,16 @@ def _finish_in_registers(base, vocab, lo, hi, row_max, inv_t, k_target, p, tau, 
                          counter, BLOCK: tl.constexpr, CAP: tl.constexpr):
     """Every token >= lo fits in CAP and top-k is on: gather and sort them, place top-k, then top-p among its
     survivors, and draw; no further pass."""
-    lanes = tl.arange(0, CAP)
     values, ids, filled = _gather_sorted(base, vocab, lo, hi, scratch_row, counter, BLOCK, CAP)
+    return _finish_sorted(values, ids, filled, row_max, inv_t, k_target, p, tau, topp_on, row_key, vocab, CAP)
+
+
+@triton.jit
+def _finish_sorted(values, ids, filled, row_max, inv_t, k_target, p, tau, topp_on, row_key, vocab,
+                   CAP: tl.constexpr):
+    """Every token that can be kept, sorted (filled lanes first, by logit descending then id ascending), top-k on:
+    place top-k, then top-p among its survivors, and draw."""
+    lanes = tl.arange(0, CAP)
     weights = tl.where(filled, tl.exp((values - row_max) * inv_t), 0.0)
     tau_k = _first_reaching(values, (lanes + 1).to(tl.float32), k_target, filled, lanes, CAP)
     if topp_on:
@@ -299,21 +357,152 @@ def _finish_in_registers(base, vocab, lo, hi, row_max, inv_t, k_target, p, tau, 
 
 
 WIDE = tl.constexpr(-2)  # the token of a row the first kernel leaves to the second (more than CAP kept tokens)
+SPLIT = tl.constexpr(-3)  # a row of the split path, which _sample_kernel leaves alone
+
+
+@triton.jit
+def _takes_split(temperature, k, topk_on, topp_on, minimum_p, SLOTS: tl.constexpr):
+    """The rows of the split path (none when SLOTS is 0): top-k up to SLOTS, with or without top-p and min-p,
+    and temperature-only rows."""
+    plain = (topk_on | topp_on | (minimum_p > 0.0)) == 0
+    return (SLOTS > 0) & (temperature != 0.0) & ((topk_on & (k <= SLOTS)) | plain)
+
+
+@triton.jit
+def _chunk_threshold(x, target, PIVOTS: tl.constexpr, SLOTS: tl.constexpr, MAX_PASSES: tl.constexpr):
+    """(lo, count of x >= lo): the count search of _search over a chunk in registers. lo is at most the chunk's
+    target-th largest logit, so x >= lo holds its top `target` with every tie; it stops once at most SLOTS tokens
+    lie at or above lo (a count above SLOTS: ties, or MAX_PASSES). No finite logit: lo = +inf, count 0. NaN lanes
+    (no candidate) count nowhere."""
+    finite = x > float("-inf")
+    lo = tl.min(tl.where(finite, x, float("inf")), axis=0)
+    count_lo = tl.sum(finite.to(tl.int32), axis=0)
+    top = tl.max(tl.where(finite, x, float("-inf")), axis=0)
+    hi = tl.full([], float("inf"), tl.float32)
+    count_hi = tl.full([], 0, tl.int32)
+    no_mass = tl.full([], 0.0, tl.float32)
+    masses = tl.zeros([PIVOTS], dtype=tl.float32)
+    lanes = tl.arange(0, PIVOTS)
+    passes = 0
+    while (count_lo > SLOTS) & (lo < top) & (passes < MAX_PASSES):
+        pivots = _pivots(lo, top, lanes, PIVOTS)
+        counts = tl.sum((x[:, None] >= pivots[None, :]).to(tl.int32), axis=0)
+        lo, hi, count_lo, count_hi, _, _ = _narrow(pivots, counts, masses, counts >= target, lo, hi, count_lo,
+                                                   count_hi, no_mass, no_mass, PIVOTS)
+        top = tl.minimum(hi, top)
+        passes += 1
+    return lo, count_lo
+
+
+@triton.jit
+def _sample_split_kernel(logits, stride, temperatures, top_k, top_p, min_p, seeds, positions, keys, counts, vocab,
+                         CHUNK: tl.constexpr, PIVOTS: tl.constexpr, SLOTS: tl.constexpr,
+                         MAX_PASSES: tl.constexpr):
+    """Split path, grid (rows, chunks): chunk c of a row (logits [c * CHUNK, (c + 1) * CHUNK)) is read once, into
+    registers. A top-k row writes the chunk's candidates, a superset of its top-k with ties (the row's top-k with
+    ties lies in the union of the chunks'), as sort keys into its SLOTS key slots, and their count (-1: more than
+    SLOTS); a temperature-only row writes the chunk's Gumbel-max winner (one key: score, id)."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    temperature, inv_t, k, p, minimum_p, row_key, topk_on, topp_on = _row_settings(
+        temperatures, top_k, top_p, min_p, seeds, positions, row, vocab)
+    if _takes_split(temperature, k, topk_on, topp_on, minimum_p, SLOTS):
+        x, cols = _load(logits + row * stride, chunk * CHUNK, vocab, CHUNK)
+        slot = row * tl.num_programs(1) + chunk
+        if topk_on:
+            lo, count = _chunk_threshold(x, tl.minimum(k, vocab).to(tl.int32), PIVOTS, SLOTS, MAX_PASSES)
+            chosen = x >= lo
+            place = tl.cumsum(chosen.to(tl.int32), axis=0) - 1
+            tl.store(keys + slot * SLOTS + place, _sort_key(x, cols), mask=chosen & (place < SLOTS))  # all or none read
+            tl.store(counts + slot, tl.where(count <= SLOTS, count, -1))
+        else:  # as _draw_pass over the chunk with no threshold
+            score = x * inv_t + _gumbel(row_key, cols)
+            best = tl.max(score, axis=0)
+            winner = tl.min(tl.where(score == best, cols, vocab), axis=0)
+            tl.store(keys + slot * SLOTS, _sort_key(best, winner))
+            tl.store(counts + slot, 1)
+
+
+@triton.jit
+def _finish_candidates(row_keys, filled, temperature, inv_t, k, p, minimum_p, topp_on, row_key, vocab,
+                       LANES: tl.constexpr):
+    """A split row's candidates (keys, filled lanes), sorted and finished as _finish_in_registers does: the row
+    maximum is the largest candidate; a k past the unbanned tokens keeps every candidate (then all of them)."""
+    values, ids = _from_key(tl.sort(row_keys, descending=True))
+    filled = tl.arange(0, LANES) < tl.sum(filled.to(tl.int32), axis=0)  # the sort puts the filled lanes first
+    row_max = tl.max(tl.where(filled, values, float("-inf")), axis=0)
+    tau = tl.full([], float("-inf"), tl.float32)
+    if minimum_p > 0.0:
+        tau = row_max + temperature * tl.log(minimum_p)
+    k_target = tl.minimum(k, tl.sum(filled.to(tl.int32), axis=0)).to(tl.float32)
+    return _finish_sorted(values, ids, filled, row_max, inv_t, k_target, p, tau, topp_on, row_key, vocab, LANES)
+
+
+@triton.jit
+def _sample_split_finish_kernel(out, temperatures, top_k, top_p, min_p, seeds, positions, keys, counts, short,
+                                vocab, chunks, SLOTS: tl.constexpr, CHUNKS: tl.constexpr, SHORT: tl.constexpr,
+                                PIVOTS: tl.constexpr, MAX_PASSES: tl.constexpr):
+    """Split path, one program per row: the row's chunks' keys (CHUNKS: the number of chunks rounded up to a power
+    of two). A top-k row finishes from its candidates (_finish_candidates), or is marked WIDE when a chunk
+    overflowed; a temperature-only row takes the best chunk winner. With SHORT > 0, a count search over the
+    candidates in registers first keeps at most SHORT of them that hold the top-k with ties (the chunks' search
+    again), moved through the row's `short` scratch, so that only those are sorted; when ties leave more, all are
+    sorted."""
+    row = tl.program_id(0).to(tl.int64)
+    temperature, inv_t, k, p, minimum_p, row_key, topk_on, topp_on = _row_settings(
+        temperatures, top_k, top_p, min_p, seeds, positions, row, vocab)
+    if _takes_split(temperature, k, topk_on, topp_on, minimum_p, SLOTS):
+        lanes = tl.arange(0, CHUNKS * SLOTS)
+        chunk = lanes // SLOTS
+        filled_in_chunk = tl.load(counts + row * chunks + chunk, mask=chunk < chunks, other=0)
+        row_keys = tl.load(keys + row * chunks * SLOTS + lanes, mask=lanes % SLOTS < filled_in_chunk, other=NO_KEY)
+        if topk_on:
+            if tl.min(filled_in_chunk, axis=0) < 0:
+                token = tl.full([], WIDE, tl.int64)
+            else:
+                filled = row_keys != NO_KEY
+                if SHORT > 0:
+                    values, _ = _from_key(row_keys)  # NO_KEY: NaN, neither finite nor at or above any threshold
+                    total = tl.sum(filled.to(tl.int32), axis=0)
+                    lo, count = _chunk_threshold(values, tl.minimum(k, total).to(tl.int32), PIVOTS, SHORT,
+                                                 MAX_PASSES)
+                    if count <= SHORT:
+                        chosen = filled & (values >= lo)
+                        place = tl.cumsum(chosen.to(tl.int32), axis=0) - 1
+                        tl.store(short + row * SHORT + place, row_keys, mask=chosen & (place < SHORT))
+                        tl.debug_barrier()
+                        short_lanes = tl.arange(0, SHORT)
+                        kept = short_lanes < count
+                        token = _finish_candidates(tl.load(short + row * SHORT + short_lanes, mask=kept,
+                                                           other=NO_KEY), kept, temperature, inv_t, k, p,
+                                                   minimum_p, topp_on, row_key, vocab, SHORT)
+                    else:
+                        token = _finish_candidates(row_keys, filled, temperature, inv_t, k, p, minimum_p, topp_on,
+                                                   row_key, vocab, CHUNKS * SLOTS)
+                else:
+                    token = _finish_candidates(row_keys, filled, temperature, inv_t, k, p, minimum_p, topp_on,
+                                               row_key, vocab, CHUNKS * SLOTS)
+        else:
+            _, token = _from_key(tl.max(row_keys, axis=0))
+        tl.store(out + row, token)
 
 
 @triton.jit
 def _sample_kernel(logits, stride, out, temperatures, top_k, top_p, min_p, seeds, positions, scratch, counters,
-                   vocab, BLOCK: tl.constexpr, PIVOTS: tl.constexpr, CAP: tl.constexpr, MAX_PASSES: tl.constexpr):
+                   vocab, BLOCK: tl.constexpr, PIVOTS: tl.constexpr, CAP: tl.constexpr, MAX_PASSES: tl.constexpr,
+                   SLOTS: tl.constexpr):
     """Rows with a top-k up to CAP (with or without top-p and min-p), temperature-only, min-p-only and greedy
-    rows; the others (top-k > CAP, top-p without top-k, a top-k search left with more than CAP tokens) are marked
-    WIDE for _sample_wide_kernel. Kept lean, with
+    rows, but for those the split path takes (_takes_split); the others (top-k > CAP, top-p without top-k, a
+    top-k search left with more than CAP tokens) are marked WIDE for _sample_wide_kernel. Kept lean, with
     count searches only: its registers bound the speed of every pass."""
     row = tl.program_id(0).to(tl.int64)
     base = logits + row * stride
     temperature, inv_t, k, p, minimum_p, row_key, topk_on, topp_on = _row_settings(
         temperatures, top_k, top_p, min_p, seeds, positions, row, vocab)
     token = tl.full([], -1, tl.int64)
-    if temperature == 0.0:
+    if _takes_split(temperature, k, topk_on, topp_on, minimum_p, SLOTS):
+        token = tl.full([], SPLIT, tl.int64)  # _sample_split_finish_kernel writes it
+    elif temperature == 0.0:
         token = _argmax_pass(base, vocab, BLOCK)
     else:
         tau = tl.full([], float("-inf"), tl.float32)
@@ -340,7 +529,8 @@ def _sample_kernel(logits, stride, out, temperatures, top_k, top_p, min_p, seeds
             tau = row_max + temperature * tl.log(minimum_p)
         if token == -1:
             token = _draw_pass(base, vocab, tau, inv_t, row_key, BLOCK)
-    tl.store(out + row, token)
+    if token != SPLIT:
+        tl.store(out + row, token)
 
 
 @triton.jit
@@ -405,10 +595,14 @@ def _sample_wide_kernel(logits, stride, out, temperatures, top_k, top_p, min_p, 
 
 def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                  min_p: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, *, cap: int = DEFAULT_CAP,
-                 block: int = DEFAULT_BLOCK, num_warps: int = DEFAULT_WARPS) -> torch.Tensor:
+                 block: int = DEFAULT_BLOCK, num_warps: int = DEFAULT_WARPS, chunk: int = DEFAULT_CHUNK,
+                 slots: int = DEFAULT_SLOTS, split_warps: int = DEFAULT_SPLIT_WARPS,
+                 finish_warps: int = DEFAULT_FINISH_WARPS, finish_sort: int = DEFAULT_FINISH_SORT) -> torch.Tensor:
     """logits [batch, vocab] fp32/bf16/fp16 (unit stride along vocab) -> token ids int64 [batch]. Per-row
     settings: temperatures f32 (0 = greedy), top_k int (>= vocab = off), top_p f32 (1 = off), min_p f32
-    (0 = off), seeds and positions int64. No host synchronisation; `cap` and `block` are powers of two."""
+    (0 = off), seeds and positions int64. No host synchronisation; `cap`, `block`, `chunk`, `slots` and
+    `finish_sort` are powers of two or 0: `slots` 0 turns the split path off (every row on the per-row kernels),
+    `finish_sort` 0 sorts a split row's every candidate (else at most that many, after a count search)."""
     batch, vocab = logits.shape
     assert logits.stride(1) == 1, "logits must be contiguous along the vocabulary"
     out = torch.empty(batch, dtype=torch.int64, device=logits.device)
@@ -416,10 +610,22 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.
         return out
     scratch = torch.empty(batch, cap, dtype=torch.int64, device=logits.device)
     counters = torch.zeros(batch, 4, dtype=torch.int32, device=logits.device)  # one per gather of a row
-    args = (logits, logits.stride(0), out, temperatures, top_k, top_p, min_p, seeds, positions, scratch, counters,
-            vocab)
+    settings = (temperatures, top_k, top_p, min_p, seeds, positions)
+    assert finish_sort == 0 or finish_sort >= slots, "finish_sort below slots cannot hold a top-k of slots"
+    if slots:
+        chunks = triton.cdiv(vocab, chunk)
+        keys = torch.empty(batch, chunks, slots, dtype=torch.int64, device=logits.device)
+        counts = torch.empty(batch, chunks, dtype=torch.int32, device=logits.device)
+        _sample_split_kernel[(batch, chunks)](logits, logits.stride(0), *settings, keys, counts, vocab, CHUNK=chunk,
+                                              PIVOTS=PIVOTS, SLOTS=slots, MAX_PASSES=MAX_PASSES,
+                                              num_warps=split_warps)
+        short = torch.empty(batch, max(finish_sort, 1), dtype=torch.int64, device=logits.device)
+        _sample_split_finish_kernel[(batch,)](out, *settings, keys, counts, short, vocab, chunks, SLOTS=slots,
+                                              CHUNKS=triton.next_power_of_2(chunks), SHORT=finish_sort,
+                                              PIVOTS=PIVOTS, MAX_PASSES=MAX_PASSES, num_warps=finish_warps)
+    args = (logits, logits.stride(0), out, *settings, scratch, counters, vocab)
     config = dict(BLOCK=block, PIVOTS=PIVOTS, CAP=cap, MAX_PASSES=MAX_PASSES, num_warps=num_warps)
-    _sample_kernel[(batch,)](*args, **config)
+    _sample_kernel[(batch,)](*args, **config, SLOTS=slots)
     _sample_wide_kernel[(batch,)](*args, **config)
     return out
 

@@ -4,9 +4,12 @@ fused kernel) against the fused Triton kernel, and compute_logprobs(k=5); JSON l
     python scripts/bench_sampler.py OUT.jsonl [--batches 1 16 64 256] [--vocab 151936] [--reps 50] [--sweep]
 
 Runs from a checkout with only torch and triton installed (no engine imports). Each line: mode, batch, vocab,
-path ("torch_full_sort" | "fused_kernel" | "logprobs_k5"), median ms over `reps` CUDA-event timings, and for the
-kernel the fraction of rows whose token equals the torch path's (same seeds: expected 1.0 but for knife-edge
-float rounding)."""
+path ("torch_full_sort" | "fused_kernel" | "fused_kernel_per_row" | "logprobs_k5"), median ms over `reps`
+CUDA-event timings, and for the kernel the fraction of rows whose token equals the torch path's (same seeds:
+expected 1.0 but for knife-edge float rounding). "fused_kernel" is `fused_sample` with its defaults (the split path
+for top-k <= slots and temperature-only rows); "fused_kernel_per_row" the same rows with the split path off
+(slots=0). --sweep also times the per-row kernels' (block, num_warps, cap) and the split path's (chunk,
+split_warps, finish_warps, slots, finish_sort)."""
 from __future__ import annotations
 
 import argparse
@@ -49,6 +52,12 @@ MODES = {
 SWEEP = [(block, warps, cap) for block, warps in ((2048, 4), (4096, 4), (4096, 8), (4096, 16), (8192, 8),
                                                    (8192, 16), (8192, 32), (16384, 16), (16384, 32))
          for cap in (256, 512)]
+# the split path (top-k <= slots and temperature-only rows): (chunk, split_warps, finish_warps, slots, finish_sort)
+SPLIT_SWEEP = [(chunk, split_warps, finish_warps, slots, finish_sort)
+               for chunk, split_warps in ((2048, 4), (2048, 8), (4096, 4), (4096, 8), (4096, 16), (8192, 8),
+                                          (8192, 16), (16384, 16))
+               for finish_warps in (8, 16, 32) for slots in (64, 128) for finish_sort in (0, 256)]
+SPLIT_MODES = ("temperature", "top_k_top_p")
 
 
 def main() -> None:
@@ -96,8 +105,19 @@ def main() -> None:
                 emit({**base, "path": "torch_full_sort", "ms": median_cuda_ms(torch_path, args.reps)})
                 agree = (fused() == torch_path()).float().mean().item()
                 emit({**base, "path": "fused_kernel", "ms": median_cuda_ms(fused, args.reps), "agree": agree})
+                if mode in SPLIT_MODES:  # the same rows on the per-row kernels (split path off)
+                    per_row = functools.partial(fused, slots=0)
+                    emit({**base, "path": "fused_kernel_per_row", "ms": median_cuda_ms(per_row, args.reps),
+                          "agree": (per_row() == torch_path()).float().mean().item()})
+                for chunk, split_warps, finish_warps, slots, finish_sort in (
+                        SPLIT_SWEEP if args.sweep and mode in SPLIT_MODES else ()):
+                    config = {"chunk": chunk, "split_warps": split_warps, "finish_warps": finish_warps, "slots": slots,
+                              "finish_sort": finish_sort}
+                    swept = functools.partial(fused, **config)
+                    emit({**base, **config, "path": "fused_kernel_split_sweep", "ms": median_cuda_ms(swept, args.reps),
+                          "agree": (swept() == torch_path()).float().mean().item()})
                 for block, num_warps, cap in SWEEP if args.sweep and mode != "greedy" else ():
-                    config = {"block": block, "num_warps": num_warps, "cap": cap}
+                    config = {"block": block, "num_warps": num_warps, "cap": cap, "slots": 0}  # per-row kernels
                     emit({**base, **config, "path": "fused_kernel_sweep",
                           "ms": median_cuda_ms(functools.partial(fused, **config), args.reps)})
                 if mode == "greedy":  # what sample() runs for an all-greedy batch: a torch argmax
