@@ -14,8 +14,8 @@ The rule (the torch path `nanovllm.layers.sampler.reference_sample` states it th
     `h_i = mix32(row_key ^ (i * GOLDEN))`, `row_key = mix32(mix32(mix32(seed_lo ^ SALT) ^ seed_hi) ^ position)`.
     A seeded row's token therefore depends on its logits, seed and position only, never on the batch.
 
-The split path (rows with top-k <= SLOTS, with or without top-p and min-p, and temperature-only rows) reads the
-logits once, spread over many programs per row. The first kernel, grid (rows, chunks), loads a chunk of CHUNK
+The split path (rows with top-k <= SLOTS, with or without top-p and min-p, in batches of at least
+SPLIT_MIN_BATCH rows) reads the logits once, spread over many programs per row. The first kernel, grid (rows, chunks), loads a chunk of CHUNK
 logits into registers; for a top-k row it finds, by a count search over those registers, a threshold at or below
 the chunk's min(k, finite)-th largest logit with at most SLOTS tokens at or above it, and writes those (sort keys:
 value, then id) and their count. The row's top-k with ties lies in the union of the chunks' (a token the chunk's
@@ -23,8 +23,7 @@ threshold drops has k larger tokens in its chunk alone), and that union holds th
 than k tokens are finite, every finite token: so k_target = min(k, candidates). The second kernel, one program per
 row, sorts the row's candidates in registers (first narrowed to at most FINISH_SORT holding the top-k with ties,
 by the same count search, when that many suffice) and finishes as the per-row path does below (same helpers). A
-temperature-only row's chunk writes its Gumbel-max winner (score, id); the finish takes the best. A chunk with
-more than SLOTS tokens tied at its threshold (or MAX_PASSES) marks its row WIDE, for the wide kernel below.
+chunk with more than SLOTS tokens tied at its threshold (or MAX_PASSES) marks its row WIDE, for the wide kernel below.
 
 The per-row path, one program per row, takes every other row (every row when `slots` is 0). How it avoids
 sorting the vocabulary: after one pass for (max, finite min, softmax mass) the kernel searches the threshold of the
@@ -65,13 +64,17 @@ DEFAULT_BLOCK = 4096
 DEFAULT_WARPS = 16
 PIVOTS = 8
 MAX_PASSES = 12
-# The split path (top-k up to DEFAULT_SLOTS, and temperature-only rows): chunks of DEFAULT_CHUNK logits.
-# Untimed guesses, to be swept with scripts/bench_sampler.py --sweep.
+# The split path (top-k up to DEFAULT_SLOTS): chunks of DEFAULT_CHUNK logits. The fastest of
+# `scripts/bench_sampler.py --sweep` at batch 256 on an H200 (docs/BENCHMARKS.md, 2026-11-26): 0.46 ms with top-k
+# 50 + top-p against 0.69 on the per-row kernels. Below SPLIT_MIN_BATCH rows the per-row kernels were faster (batch
+# 1: 0.19 against 0.25 ms), and so were they for temperature-only rows at every batch (which the split path
+# therefore leaves alone).
 DEFAULT_CHUNK = 4096
 DEFAULT_SLOTS = 64
-DEFAULT_SPLIT_WARPS = 8
-DEFAULT_FINISH_WARPS = 16
+DEFAULT_SPLIT_WARPS = 4
+DEFAULT_FINISH_WARPS = 8
 DEFAULT_FINISH_SORT = 256
+SPLIT_MIN_BATCH = 16
 
 
 @triton.jit
@@ -361,11 +364,9 @@ SPLIT = tl.constexpr(-3)  # a row of the split path, which _sample_kernel leaves
 
 
 @triton.jit
-def _takes_split(temperature, k, topk_on, topp_on, minimum_p, SLOTS: tl.constexpr):
-    """The rows of the split path (none when SLOTS is 0): top-k up to SLOTS, with or without top-p and min-p,
-    and temperature-only rows."""
-    plain = (topk_on | topp_on | (minimum_p > 0.0)) == 0
-    return (SLOTS > 0) & (temperature != 0.0) & ((topk_on & (k <= SLOTS)) | plain)
+def _takes_split(temperature, k, topk_on, SLOTS: tl.constexpr):
+    """The rows of the split path (none when SLOTS is 0): top-k up to SLOTS, with or without top-p and min-p."""
+    return (SLOTS > 0) & (temperature != 0.0) & topk_on & (k <= SLOTS)
 
 
 @triton.jit
@@ -401,26 +402,19 @@ def _sample_split_kernel(logits, stride, temperatures, top_k, top_p, min_p, seed
     """Split path, grid (rows, chunks): chunk c of a row (logits [c * CHUNK, (c + 1) * CHUNK)) is read once, into
     registers. A top-k row writes the chunk's candidates, a superset of its top-k with ties (the row's top-k with
     ties lies in the union of the chunks'), as sort keys into its SLOTS key slots, and their count (-1: more than
-    SLOTS); a temperature-only row writes the chunk's Gumbel-max winner (one key: score, id)."""
+    SLOTS)."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     temperature, inv_t, k, p, minimum_p, row_key, topk_on, topp_on = _row_settings(
         temperatures, top_k, top_p, min_p, seeds, positions, row, vocab)
-    if _takes_split(temperature, k, topk_on, topp_on, minimum_p, SLOTS):
+    if _takes_split(temperature, k, topk_on, SLOTS):
         x, cols = _load(logits + row * stride, chunk * CHUNK, vocab, CHUNK)
         slot = row * tl.num_programs(1) + chunk
-        if topk_on:
-            lo, count = _chunk_threshold(x, tl.minimum(k, vocab).to(tl.int32), PIVOTS, SLOTS, MAX_PASSES)
-            chosen = x >= lo
-            place = tl.cumsum(chosen.to(tl.int32), axis=0) - 1
-            tl.store(keys + slot * SLOTS + place, _sort_key(x, cols), mask=chosen & (place < SLOTS))  # all or none read
-            tl.store(counts + slot, tl.where(count <= SLOTS, count, -1))
-        else:  # as _draw_pass over the chunk with no threshold
-            score = x * inv_t + _gumbel(row_key, cols)
-            best = tl.max(score, axis=0)
-            winner = tl.min(tl.where(score == best, cols, vocab), axis=0)
-            tl.store(keys + slot * SLOTS, _sort_key(best, winner))
-            tl.store(counts + slot, 1)
+        lo, count = _chunk_threshold(x, tl.minimum(k, vocab).to(tl.int32), PIVOTS, SLOTS, MAX_PASSES)
+        chosen = x >= lo
+        place = tl.cumsum(chosen.to(tl.int32), axis=0) - 1
+        tl.store(keys + slot * SLOTS + place, _sort_key(x, cols), mask=chosen & (place < SLOTS))  # all or none read
+        tl.store(counts + slot, tl.where(count <= SLOTS, count, -1))
 
 
 @triton.jit
@@ -443,47 +437,43 @@ def _sample_split_finish_kernel(out, temperatures, top_k, top_p, min_p, seeds, p
                                 vocab, chunks, SLOTS: tl.constexpr, CHUNKS: tl.constexpr, SHORT: tl.constexpr,
                                 PIVOTS: tl.constexpr, MAX_PASSES: tl.constexpr):
     """Split path, one program per row: the row's chunks' keys (CHUNKS: the number of chunks rounded up to a power
-    of two). A top-k row finishes from its candidates (_finish_candidates), or is marked WIDE when a chunk
-    overflowed; a temperature-only row takes the best chunk winner. With SHORT > 0, a count search over the
+    of two). A row finishes from its candidates (_finish_candidates), or is marked WIDE when a chunk overflowed.
+    With SHORT > 0, a count search over the
     candidates in registers first keeps at most SHORT of them that hold the top-k with ties (the chunks' search
     again), moved through the row's `short` scratch, so that only those are sorted; when ties leave more, all are
     sorted."""
     row = tl.program_id(0).to(tl.int64)
     temperature, inv_t, k, p, minimum_p, row_key, topk_on, topp_on = _row_settings(
         temperatures, top_k, top_p, min_p, seeds, positions, row, vocab)
-    if _takes_split(temperature, k, topk_on, topp_on, minimum_p, SLOTS):
+    if _takes_split(temperature, k, topk_on, SLOTS):
         lanes = tl.arange(0, CHUNKS * SLOTS)
         chunk = lanes // SLOTS
         filled_in_chunk = tl.load(counts + row * chunks + chunk, mask=chunk < chunks, other=0)
         row_keys = tl.load(keys + row * chunks * SLOTS + lanes, mask=lanes % SLOTS < filled_in_chunk, other=NO_KEY)
-        if topk_on:
-            if tl.min(filled_in_chunk, axis=0) < 0:
-                token = tl.full([], WIDE, tl.int64)
-            else:
-                filled = row_keys != NO_KEY
-                if SHORT > 0:
-                    values, _ = _from_key(row_keys)  # NO_KEY: NaN, neither finite nor at or above any threshold
-                    total = tl.sum(filled.to(tl.int32), axis=0)
-                    lo, count = _chunk_threshold(values, tl.minimum(k, total).to(tl.int32), PIVOTS, SHORT,
-                                                 MAX_PASSES)
-                    if count <= SHORT:
-                        chosen = filled & (values >= lo)
-                        place = tl.cumsum(chosen.to(tl.int32), axis=0) - 1
-                        tl.store(short + row * SHORT + place, row_keys, mask=chosen & (place < SHORT))
-                        tl.debug_barrier()
-                        short_lanes = tl.arange(0, SHORT)
-                        kept = short_lanes < count
-                        token = _finish_candidates(tl.load(short + row * SHORT + short_lanes, mask=kept,
-                                                           other=NO_KEY), kept, temperature, inv_t, k, p,
-                                                   minimum_p, topp_on, row_key, vocab, SHORT)
-                    else:
-                        token = _finish_candidates(row_keys, filled, temperature, inv_t, k, p, minimum_p, topp_on,
-                                                   row_key, vocab, CHUNKS * SLOTS)
+        if tl.min(filled_in_chunk, axis=0) < 0:
+            token = tl.full([], WIDE, tl.int64)
+        else:
+            filled = row_keys != NO_KEY
+            if SHORT > 0:
+                values, _ = _from_key(row_keys)  # NO_KEY: NaN, neither finite nor at or above any threshold
+                total = tl.sum(filled.to(tl.int32), axis=0)
+                lo, count = _chunk_threshold(values, tl.minimum(k, total).to(tl.int32), PIVOTS, SHORT, MAX_PASSES)
+                if count <= SHORT:
+                    chosen = filled & (values >= lo)
+                    place = tl.cumsum(chosen.to(tl.int32), axis=0) - 1
+                    tl.store(short + row * SHORT + place, row_keys, mask=chosen & (place < SHORT))
+                    tl.debug_barrier()
+                    short_lanes = tl.arange(0, SHORT)
+                    kept = short_lanes < count
+                    token = _finish_candidates(tl.load(short + row * SHORT + short_lanes, mask=kept, other=NO_KEY),
+                                               kept, temperature, inv_t, k, p, minimum_p, topp_on, row_key, vocab,
+                                               SHORT)
                 else:
                     token = _finish_candidates(row_keys, filled, temperature, inv_t, k, p, minimum_p, topp_on,
                                                row_key, vocab, CHUNKS * SLOTS)
-        else:
-            _, token = _from_key(tl.max(row_keys, axis=0))
+            else:
+                token = _finish_candidates(row_keys, filled, temperature, inv_t, k, p, minimum_p, topp_on, row_key,
+                                           vocab, CHUNKS * SLOTS)
         tl.store(out + row, token)
 
 
@@ -500,7 +490,7 @@ def _sample_kernel(logits, stride, out, temperatures, top_k, top_p, min_p, seeds
     temperature, inv_t, k, p, minimum_p, row_key, topk_on, topp_on = _row_settings(
         temperatures, top_k, top_p, min_p, seeds, positions, row, vocab)
     token = tl.full([], -1, tl.int64)
-    if _takes_split(temperature, k, topk_on, topp_on, minimum_p, SLOTS):
+    if _takes_split(temperature, k, topk_on, SLOTS):
         token = tl.full([], SPLIT, tl.int64)  # _sample_split_finish_kernel writes it
     elif temperature == 0.0:
         token = _argmax_pass(base, vocab, BLOCK)
@@ -597,12 +587,14 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.
                  min_p: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, *, cap: int = DEFAULT_CAP,
                  block: int = DEFAULT_BLOCK, num_warps: int = DEFAULT_WARPS, chunk: int = DEFAULT_CHUNK,
                  slots: int = DEFAULT_SLOTS, split_warps: int = DEFAULT_SPLIT_WARPS,
-                 finish_warps: int = DEFAULT_FINISH_WARPS, finish_sort: int = DEFAULT_FINISH_SORT) -> torch.Tensor:
+                 finish_warps: int = DEFAULT_FINISH_WARPS, finish_sort: int = DEFAULT_FINISH_SORT,
+                 split_min_batch: int = SPLIT_MIN_BATCH) -> torch.Tensor:
     """logits [batch, vocab] fp32/bf16/fp16 (unit stride along vocab) -> token ids int64 [batch]. Per-row
     settings: temperatures f32 (0 = greedy), top_k int (>= vocab = off), top_p f32 (1 = off), min_p f32
     (0 = off), seeds and positions int64. No host synchronisation; `cap`, `block`, `chunk`, `slots` and
     `finish_sort` are powers of two or 0: `slots` 0 turns the split path off (every row on the per-row kernels),
-    `finish_sort` 0 sorts a split row's every candidate (else at most that many, after a count search)."""
+    `finish_sort` 0 sorts a split row's every candidate (else at most that many, after a count search); a batch
+    of fewer than `split_min_batch` rows takes the per-row kernels only."""
     batch, vocab = logits.shape
     assert logits.stride(1) == 1, "logits must be contiguous along the vocabulary"
     out = torch.empty(batch, dtype=torch.int64, device=logits.device)
@@ -612,6 +604,8 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.
     counters = torch.zeros(batch, 4, dtype=torch.int32, device=logits.device)  # one per gather of a row
     settings = (temperatures, top_k, top_p, min_p, seeds, positions)
     assert finish_sort == 0 or finish_sort >= slots, "finish_sort below slots cannot hold a top-k of slots"
+    if batch < split_min_batch:
+        slots = 0
     if slots:
         chunks = triton.cdiv(vocab, chunk)
         keys = torch.empty(batch, chunks, slots, dtype=torch.int64, device=logits.device)

@@ -40,6 +40,7 @@ def tensors(settings, vocab, seeds=None, positions=None):
 
 
 def run_kernel(logits, t, **kwargs):
+    kwargs.setdefault("split_min_batch", 1)  # the split path at these small batches too
     return fused_sample(logits, t.temperatures, t.top_k, t.top_p, t.min_p, t.seeds, t.sample_positions, **kwargs)
 
 
