@@ -14,16 +14,17 @@ The rule (the torch path `nanovllm.layers.sampler.reference_sample` states it th
     `h_i = mix32(row_key ^ (i * GOLDEN))`, `row_key = mix32(mix32(mix32(seed_lo ^ SALT) ^ seed_hi) ^ position)`.
     A seeded row's token therefore depends on its logits, seed and position only, never on the batch.
 
-The split path (rows with top-k <= SLOTS, with or without top-p and min-p, in batches of at least
-SPLIT_MIN_BATCH rows) reads the logits once, spread over many programs per row. The first kernel, grid (rows, chunks), loads a chunk of CHUNK
-logits into registers; for a top-k row it finds, by a count search over those registers, a threshold at or below
-the chunk's min(k, finite)-th largest logit with at most SLOTS tokens at or above it, and writes those (sort keys:
-value, then id) and their count. The row's top-k with ties lies in the union of the chunks' (a token the chunk's
-threshold drops has k larger tokens in its chunk alone), and that union holds the row maximum and, when fewer
-than k tokens are finite, every finite token: so k_target = min(k, candidates). The second kernel, one program per
-row, sorts the row's candidates in registers (first narrowed to at most FINISH_SORT holding the top-k with ties,
-by the same count search, when that many suffice) and finishes as the per-row path does below (same helpers). A
-chunk with more than SLOTS tokens tied at its threshold (or MAX_PASSES) marks its row WIDE, for the wide kernel below.
+The split path (rows with top-k <= SLOTS, with or without top-p and min-p, in batches of at least SPLIT_MIN_BATCH
+rows) reads the logits once, spread over many programs per row. The first kernel, grid (rows, chunks), loads a
+chunk of CHUNK logits into registers; for a top-k row it finds, by a count search over those registers, a threshold
+at or below the chunk's min(k, finite)-th largest logit with at most SLOTS tokens at or above it, and writes those
+(sort keys: value, then id) and their count. The row's top-k with ties lies in the union of the chunks' (a token
+the chunk's threshold drops has k larger tokens in its chunk alone), and that union holds the row maximum and, when
+fewer than k tokens are finite, every finite token: so k_target = min(k, candidates). The second kernel, one
+program per row, sorts the row's candidates in registers (first narrowed to at most FINISH_SORT holding the top-k
+with ties, by the same count search, when that many suffice) and finishes as the per-row path does below (same
+helpers). A chunk with more than SLOTS tokens tied at its threshold (or MAX_PASSES) marks its row WIDE, for the
+wide kernel below.
 
 The per-row path, one program per row, takes every other row (every row when `slots` is 0). How it avoids
 sorting the vocabulary: after one pass for (max, finite min, softmax mass) the kernel searches the threshold of the
