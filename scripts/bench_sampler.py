@@ -4,12 +4,12 @@ fused kernel) against the fused Triton kernel, and compute_logprobs(k=5); JSON l
     python scripts/bench_sampler.py OUT.jsonl [--batches 1 16 64 256] [--vocab 151936] [--reps 50] [--sweep]
 
 Runs from a checkout with only torch and triton installed (no engine imports). Each line: mode, batch, vocab,
-path ("torch_full_sort" | "fused_kernel" | "fused_kernel_per_row" | "logprobs_k5"), median ms over `reps`
-CUDA-event timings, and for the kernel the fraction of rows whose token equals the torch path's (same seeds:
-expected 1.0 but for knife-edge float rounding). "fused_kernel" is `fused_sample` with its defaults (the split path
-for top-k <= slots and temperature-only rows); "fused_kernel_per_row" the same rows with the split path off
-(slots=0). --sweep also times the per-row kernels' (block, num_warps, cap) and the split path's (chunk,
-split_warps, finish_warps, slots, finish_sort)."""
+path ("torch_full_sort" | "fused_kernel" | "fused_kernel_per_row" | "sample_dispatch" | "logprobs_k5"), median ms
+over `reps` CUDA-event timings, and for the kernel the fraction of rows whose token equals the torch path's (same
+seeds: expected 1.0 but for knife-edge float rounding). "fused_kernel" is `fused_sample` with its defaults (the
+split path for top-k <= slots in batches of 16 or more); "fused_kernel_per_row" the same rows with the split path
+off (slots=0); "sample_dispatch" what the engine's `sample` runs. --sweep also times the per-row kernels' (block,
+num_warps, cap) and the split path's (chunk, split_warps, finish_warps, slots, finish_sort)."""
 from __future__ import annotations
 
 import argparse
@@ -120,9 +120,10 @@ def main() -> None:
                     config = {"block": block, "num_warps": num_warps, "cap": cap, "slots": 0}  # per-row kernels
                     emit({**base, **config, "path": "fused_kernel_sweep",
                           "ms": median_cuda_ms(functools.partial(fused, **config), args.reps)})
-                if mode == "greedy":  # what sample() runs for an all-greedy batch: a torch argmax
-                    emit({**base, "path": "sample_dispatch",
-                          "ms": median_cuda_ms(functools.partial(sampler.sample, logits, t), args.reps)})
+                # what the engine runs, sample(): a torch argmax for an all-greedy batch, else the fused kernel
+                # (without its split path when no row filters)
+                emit({**base, "path": "sample_dispatch",
+                      "ms": median_cuda_ms(functools.partial(sampler.sample, logits, t), args.reps)})
             scored = functools.partial(logprobs.compute_logprobs, logits, logits.argmax(dim=-1), 5)
             emit({"mode": "logprobs", "batch": batch, "vocab": args.vocab, "dtype": "bfloat16",
                   "path": "logprobs_k5", "ms": median_cuda_ms(scored, args.reps)})
