@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.paged_tile import attend_paged_tile, dot_query, score_scales
+from nanovllm.kernels.paged_tile import attend_paged_tile, dot_query, fp16_dots, score_scales
 from nanovllm.kernels.pdl import await_previous_kernel, pdl_launch_args
 
 # Below this many keys per split, writing and merging partial results costs more than the parallelism gains.
@@ -148,7 +148,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE=page,
         BLOCK_N=config.block_n, SPLIT=num_splits > 1, WINDOW=window is not None, SOFTCAP=softcap is not None,
-        FP16_DOTS=k_cache.dtype.itemsize == 1 and q.dtype.itemsize == 2,
+        FP16_DOTS=fp16_dots(q, k_cache),
         num_warps=config.num_warps, num_stages=config.num_stages,
         **pdl_launch_args(q),
     )

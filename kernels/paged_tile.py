@@ -15,6 +15,11 @@ def score_scales(scale: float, softcap: float | None, k_scale: float = 1.0) -> t
     return scale * k_scale / softcap, softcap * math.log2(math.e)
 
 
+def fp16_dots(q, k_cache) -> bool:
+    """dot_query's FP16_DOTS for a query and a cache (torch tensors): an FP8 cache read by a 16-bit query."""
+    return k_cache.dtype.itemsize == 1 and q.dtype.itemsize == 2
+
+
 @triton.jit
 def dot_query(query, qk_scale, FP16_DOTS: tl.constexpr):
     """(query, qk_scale) as attend_paged_tile takes them. FP16_DOTS (an FP8 cache and a 16-bit query): the tiles'

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.paged_tile import attend_paged_tile, dot_query, score_scales
+from nanovllm.kernels.paged_tile import attend_paged_tile, dot_query, fp16_dots, score_scales
 from nanovllm.kernels.pdl import await_previous_kernel, pdl_launch_args
 
 
@@ -118,7 +118,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, PAGE=page, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         WINDOW=window is not None, SOFTCAP=softcap is not None, num_warps=config.num_warps,
-        FP16_DOTS=k_cache.dtype.itemsize == 1 and q.dtype.itemsize == 2,
+        FP16_DOTS=fp16_dots(q, k_cache),
         num_stages=config.num_stages, **pdl_launch_args(q),
     )
     return out
