@@ -67,9 +67,10 @@ PIVOTS = 8
 MAX_PASSES = 12
 # The split path (top-k up to DEFAULT_SLOTS): chunks of DEFAULT_CHUNK logits. The fastest of
 # `scripts/bench_sampler.py --sweep` at batch 256 on an H200 (docs/BENCHMARKS.md, 2026-11-26): 0.46 ms with top-k
-# 50 + top-p against 0.69 on the per-row kernels. Below SPLIT_MIN_BATCH rows the per-row kernels were faster (batch
-# 1: 0.19 against 0.25 ms), and so were they for temperature-only rows at every batch (which the split path
-# therefore leaves alone).
+# 50 + top-p, against 0.33-0.80 on the per-row kernels (their time there depends on what ran before them); in the
+# engine it saves 0.6 % of the sampled bench's device time. Below SPLIT_MIN_BATCH rows the per-row kernels were
+# faster (batch 1: 0.19 against 0.25 ms), and so were they for temperature-only rows at every batch (which the
+# split path therefore leaves alone).
 DEFAULT_CHUNK = 4096
 DEFAULT_SLOTS = 64
 DEFAULT_SPLIT_WARPS = 4
