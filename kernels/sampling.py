@@ -440,10 +440,9 @@ def _sample_split_finish_kernel(out, temperatures, top_k, top_p, min_p, seeds, p
                                 PIVOTS: tl.constexpr, MAX_PASSES: tl.constexpr):
     """Split path, one program per row: the row's chunks' keys (CHUNKS: the number of chunks rounded up to a power
     of two). A row finishes from its candidates (_finish_candidates), or is marked WIDE when a chunk overflowed.
-    With SHORT > 0, a count search over the
-    candidates in registers first keeps at most SHORT of them that hold the top-k with ties (the chunks' search
-    again), moved through the row's `short` scratch, so that only those are sorted; when ties leave more, all are
-    sorted."""
+    With SHORT > 0, a count search over the candidates in registers first keeps at most SHORT of them that hold the
+    top-k with ties (the chunks' search again), moved through the row's `short` scratch, so that only those are
+    sorted; when ties leave more, all are sorted."""
     row = tl.program_id(0).to(tl.int64)
     temperature, inv_t, k, p, minimum_p, row_key, topk_on, topp_on = _row_settings(
         temperatures, top_k, top_p, min_p, seeds, positions, row, vocab)
