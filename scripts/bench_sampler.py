@@ -52,12 +52,12 @@ MODES = {
 SWEEP = [(block, warps, cap) for block, warps in ((2048, 4), (4096, 4), (4096, 8), (4096, 16), (8192, 8),
                                                    (8192, 16), (8192, 32), (16384, 16), (16384, 32))
          for cap in (256, 512)]
-# the split path (top-k <= slots and temperature-only rows): (chunk, split_warps, finish_warps, slots, finish_sort)
+# the split path (top-k <= slots): (chunk, split_warps, finish_warps, slots, finish_sort)
 SPLIT_SWEEP = [(chunk, split_warps, finish_warps, slots, finish_sort)
                for chunk, split_warps in ((2048, 4), (2048, 8), (4096, 4), (4096, 8), (4096, 16), (8192, 8),
                                           (8192, 16), (16384, 16))
                for finish_warps in (8, 16, 32) for slots in (64, 128) for finish_sort in (0, 256)]
-SPLIT_MODES = ("temperature", "top_k_top_p")
+SPLIT_MODES = ("top_k_top_p",)  # the modes whose rows the split path takes
 
 
 def main() -> None:

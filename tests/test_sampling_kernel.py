@@ -111,7 +111,8 @@ def test_a_row_with_every_token_banned_gets_token_0_on_every_path():
 
 
 # The split path: chunks of `chunk` logits (vocab 1000 is no multiple of any), `slots` candidates per chunk; slots 0
-# turns it off. Rows with top-k > slots, top-p alone, min-p alone and greedy rows stay on the per-row kernels.
+# turns it off. Rows with top-k > slots, temperature-only, top-p alone, min-p alone and greedy rows stay on the
+# per-row kernels.
 # finish_sort: the candidates the finish sorts after its count search (0: all of them; ties past it: all of them).
 SPLIT_CONFIGS = [dict(chunk=128, slots=64), dict(chunk=256, slots=16, finish_sort=0),
                  dict(chunk=64, slots=8, finish_sort=16), dict(chunk=1024, slots=128, finish_sort=128)]
