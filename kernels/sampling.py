@@ -14,17 +14,17 @@ The rule (the torch path `nanovllm.layers.sampler.reference_sample` states it th
     `h_i = mix32(row_key ^ (i * GOLDEN))`, `row_key = mix32(mix32(mix32(seed_lo ^ SALT) ^ seed_hi) ^ position)`.
     A seeded row's token therefore depends on its logits, seed and position only, never on the batch.
 
-The split path (rows with top-k <= SLOTS, with or without top-p and min-p, in batches of at least SPLIT_MIN_BATCH
-rows) reads the logits once, spread over many programs per row. The first kernel, grid (rows, chunks), loads a
-chunk of CHUNK logits into registers; for a top-k row it finds, by a count search over those registers, a threshold
-at or below the chunk's min(k, finite)-th largest logit with at most SLOTS tokens at or above it, and writes those
-(sort keys: value, then id) and their count. The row's top-k with ties lies in the union of the chunks' (a token
-the chunk's threshold drops has k larger tokens in its chunk alone), and that union holds the row maximum and, when
-fewer than k tokens are finite, every finite token: so k_target = min(k, candidates). The second kernel, one
-program per row, sorts the row's candidates in registers (first narrowed to at most FINISH_SORT holding the top-k
-with ties, by the same count search, when that many suffice) and finishes as the per-row path does below (same
-helpers). A chunk with more than SLOTS tokens tied at its threshold (or MAX_PASSES) marks its row WIDE, for the
-wide kernel below.
+The split path (rows with top-k <= SLOTS, with or without top-p and min-p, in batches of SPLIT_MIN_BATCH to
+SPLIT_MAX_BATCH rows) reads the logits once, spread over many programs per row. The first kernel, grid (rows,
+chunks), loads a chunk of CHUNK logits into registers; for a top-k row it finds, by a count search over those
+registers, a threshold at or below the chunk's min(k, finite)-th largest logit with at most SLOTS tokens at or above
+it, and writes those (sort keys: value, then id) and their count. The row's top-k with ties lies in the union of the
+chunks' (a token the chunk's threshold drops has k larger tokens in its chunk alone), and that union holds the row
+maximum and, when fewer than k tokens are finite, every finite token: so k_target = min(k, candidates). The second
+kernel, one program per row, sorts the row's candidates in registers (first narrowed to at most FINISH_SORT holding
+the top-k with ties, by the same count search, when that many suffice) and finishes as the per-row path does below
+(same helpers). A chunk with more than SLOTS tokens tied at its threshold (or MAX_PASSES) marks its row WIDE, for
+the wide kernel below.
 
 The per-row path, one program per row, takes every other row (every row when `slots` is 0). How it avoids
 sorting the vocabulary: after one pass for (max, finite min, softmax mass) the kernel searches the threshold of the
@@ -65,18 +65,18 @@ DEFAULT_BLOCK = 4096
 DEFAULT_WARPS = 16
 PIVOTS = 8
 MAX_PASSES = 12
-# The split path (top-k up to DEFAULT_SLOTS): chunks of DEFAULT_CHUNK logits. The fastest of
-# `scripts/bench_sampler.py --sweep` at batch 256 on an H200 (docs/BENCHMARKS.md, 2026-11-26): 0.46 ms with top-k
-# 50 + top-p, against 0.33-0.80 on the per-row kernels (their time there depends on what ran before them); in the
-# engine it saves 0.6 % of the sampled bench's device time. Below SPLIT_MIN_BATCH rows the per-row kernels were
-# faster (batch 1: 0.19 against 0.25 ms), and so were they for temperature-only rows at every batch (which the
-# split path therefore leaves alone).
+# The split path (top-k up to DEFAULT_SLOTS): chunks of DEFAULT_CHUNK logits, the fastest of `scripts/bench_sampler.py
+# --sweep` on an H200 (docs/BENCHMARKS.md, 2026-11-26). It takes batches of SPLIT_MIN_BATCH to SPLIT_MAX_BATCH
+# rows: its time grows with the rows (top-k 50 + top-p, kernels alone: 0.034 ms at 16, 0.09 at 64, 0.25 at 192,
+# 0.33 at 256), the per-row kernels' with the waves of one program per row over the SMs (0.11 at 1, 0.16 at 16 to
+# 128, 0.28 at 192 and 256), and below 16 rows the per-row kernels were faster. It never takes temperature-only rows.
 DEFAULT_CHUNK = 4096
 DEFAULT_SLOTS = 64
 DEFAULT_SPLIT_WARPS = 4
 DEFAULT_FINISH_WARPS = 8
 DEFAULT_FINISH_SORT = 256
 SPLIT_MIN_BATCH = 16
+SPLIT_MAX_BATCH = 192
 
 
 @triton.jit
@@ -219,13 +219,14 @@ def _narrow(pivots, counts, masses, reached, lo, hi, count_lo, count_hi, mass_lo
 
 @triton.jit
 def _search(base, vocab, row_max, inv_t, lo, count_lo, mass_lo, target, BY_MASS: tl.constexpr,
-            TRACK_MASS: tl.constexpr, BLOCK: tl.constexpr, PIVOTS: tl.constexpr, CAP: tl.constexpr,
-            MAX_PASSES: tl.constexpr):
+            TRACK_MASS: tl.constexpr, INTERVAL: tl.constexpr, BLOCK: tl.constexpr, PIVOTS: tl.constexpr,
+            CAP: tl.constexpr, MAX_PASSES: tl.constexpr):
     """Narrow [lo, hi) around the largest threshold v with W(x >= v) >= target (W: the token count, or the mass
-    when BY_MASS), from a lo that reaches the target, until at most CAP tokens lie at or above lo, or within
-    [lo, hi). Returns lo, hi and the (count, mass) at or above each; hi = +inf (count 0) when all of x >= lo
-    fits in CAP. Stops early when lo reaches the top (more than CAP tokens tied at lo). Without TRACK_MASS
-    (a count search whose caller needs no mass) the masses are not computed and returned as 0."""
+    when BY_MASS), from a lo that reaches the target, until at most CAP tokens lie at or above lo, or (with
+    INTERVAL, for a caller that sorts the interval) within [lo, hi). Returns lo, hi and the (count, mass) at or
+    above each; hi = +inf (count 0) when all of x >= lo fits in CAP. Stops early when lo reaches the top (more
+    than CAP tokens tied at lo). Without TRACK_MASS (a count search whose caller needs no mass) the masses are
+    not computed and returned as 0."""
     hi = tl.full([], float("inf"), tl.float32)
     count_hi = tl.full([], 0, tl.int32)
     mass_hi = tl.full([], 0.0, tl.float32)
@@ -233,7 +234,7 @@ def _search(base, vocab, row_max, inv_t, lo, count_lo, mass_lo, target, BY_MASS:
     passes = 0
     top = tl.minimum(hi, row_max)
     SUB: tl.constexpr = BLOCK // 4
-    while (count_lo > CAP) & (count_lo - count_hi > CAP) & (lo < top) & (passes < MAX_PASSES):
+    while (count_lo > CAP) & ((count_lo - count_hi > CAP) | (not INTERVAL)) & (lo < top) & (passes < MAX_PASSES):
         pivots = _pivots(lo, top, lanes, PIVOTS)
         # four loads in flight before the first is used: one program per row must hide memory latency itself
         if TRACK_MASS:
@@ -372,6 +373,22 @@ def _takes_split(temperature, k, topk_on, SLOTS: tl.constexpr):
 
 
 @triton.jit
+def _pivot_counts(x, lo, top, lanes, PIVOTS: tl.constexpr):
+    """(pivots, count of x >= each): the thresholds of _pivots, counted one at a time, so that no [len(x), PIVOTS]
+    comparison is held in registers (a chunk's spilled: 0.39 -> 0.30 ms for the split kernel at batch 256)."""
+    pivots = tl.zeros([PIVOTS], dtype=tl.float32)
+    counts = tl.zeros([PIVOTS], dtype=tl.int32)
+    for j in tl.static_range(PIVOTS):
+        if j == PIVOTS - 1:
+            pivot = top
+        else:
+            pivot = lo + (top - lo) * ((j + 1) / PIVOTS)
+        pivots = tl.where(lanes == j, pivot, pivots)
+        counts = tl.where(lanes == j, tl.sum((x >= pivot).to(tl.int32), axis=0), counts)
+    return pivots, counts
+
+
+@triton.jit
 def _chunk_threshold(x, target, PIVOTS: tl.constexpr, SLOTS: tl.constexpr, MAX_PASSES: tl.constexpr):
     """(lo, count of x >= lo): the count search of _search over a chunk in registers. lo is at most the chunk's
     target-th largest logit, so x >= lo holds its top `target` with every tie; it stops once at most SLOTS tokens
@@ -388,8 +405,7 @@ def _chunk_threshold(x, target, PIVOTS: tl.constexpr, SLOTS: tl.constexpr, MAX_P
     lanes = tl.arange(0, PIVOTS)
     passes = 0
     while (count_lo > SLOTS) & (lo < top) & (passes < MAX_PASSES):
-        pivots = _pivots(lo, top, lanes, PIVOTS)
-        counts = tl.sum((x[:, None] >= pivots[None, :]).to(tl.int32), axis=0)
+        pivots, counts = _pivot_counts(x, lo, top, lanes, PIVOTS)
         lo, hi, count_lo, count_hi, _, _ = _narrow(pivots, counts, masses, counts >= target, lo, hi, count_lo,
                                                    count_hi, no_mass, no_mass, PIVOTS)
         top = tl.minimum(hi, top)
@@ -503,7 +519,7 @@ def _sample_kernel(logits, stride, out, temperatures, top_k, top_p, min_p, seeds
                 tau = row_max + temperature * tl.log(minimum_p)
             k_target = tl.minimum(k, finite).to(tl.float32)  # a k past the unbanned tokens keeps them all
             lo, hi, count_lo, count_hi, mass_lo, mass_hi = _search(
-                base, vocab, row_max, inv_t, row_min, finite, mass, k_target, False, False, BLOCK, PIVOTS, CAP,
+                base, vocab, row_max, inv_t, row_min, finite, mass, k_target, False, False, False, BLOCK, PIVOTS, CAP,
                 MAX_PASSES)
             if count_lo <= CAP:
                 token = _finish_in_registers(base, vocab, lo, hi, row_max, inv_t, k_target, p, tau, topp_on,
@@ -547,11 +563,11 @@ def _sample_wide_kernel(logits, stride, out, temperatures, top_k, top_p, min_p, 
         counter = counters + row * 4
         if topk_on:
             lo, hi, count_lo, count_hi, mass_lo, mass_hi = _search(
-                base, vocab, row_max, inv_t, row_min, finite, total, k_target, False, True, BLOCK, PIVOTS, CAP,
+                base, vocab, row_max, inv_t, row_min, finite, total, k_target, False, True, True, BLOCK, PIVOTS, CAP,
                 MAX_PASSES)
         else:
             lo, hi, count_lo, count_hi, mass_lo, mass_hi = _search(
-                base, vocab, row_max, inv_t, row_min, finite, total, p * total, True, True, BLOCK, PIVOTS, CAP,
+                base, vocab, row_max, inv_t, row_min, finite, total, p * total, True, True, True, BLOCK, PIVOTS, CAP,
                 MAX_PASSES)
         threshold = lo  # more than CAP tokens still in [lo, hi) after MAX_PASSES: keep them all
         count_kept = count_lo
@@ -570,7 +586,7 @@ def _sample_wide_kernel(logits, stride, out, temperatures, top_k, top_p, min_p, 
             survivors = mass_hi + tl.sum(tl.where(kept, weights, 0.0), axis=0)
         if topk_on & topp_on:  # top-p inside the top-k survivors: a second search, up from tau_k
             lo, hi, count_lo, count_hi, mass_lo, mass_hi = _search(
-                base, vocab, row_max, inv_t, threshold, count_kept, survivors, p * survivors, True, True,
+                base, vocab, row_max, inv_t, threshold, count_kept, survivors, p * survivors, True, True, True,
                 BLOCK, PIVOTS, CAP, MAX_PASSES)
             tau_k = threshold
             threshold = lo
@@ -589,13 +605,13 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.
                  block: int = DEFAULT_BLOCK, num_warps: int = DEFAULT_WARPS, chunk: int = DEFAULT_CHUNK,
                  slots: int = DEFAULT_SLOTS, split_warps: int = DEFAULT_SPLIT_WARPS,
                  finish_warps: int = DEFAULT_FINISH_WARPS, finish_sort: int = DEFAULT_FINISH_SORT,
-                 split_min_batch: int = SPLIT_MIN_BATCH) -> torch.Tensor:
+                 split_min_batch: int = SPLIT_MIN_BATCH, split_max_batch: int = SPLIT_MAX_BATCH) -> torch.Tensor:
     """logits [batch, vocab] fp32/bf16/fp16 (unit stride along vocab) -> token ids int64 [batch]. Per-row
     settings: temperatures f32 (0 = greedy), top_k int (>= vocab = off), top_p f32 (1 = off), min_p f32
     (0 = off), seeds and positions int64. No host synchronisation; `cap`, `block`, `chunk`, `slots` and
     `finish_sort` are powers of two or 0: `slots` 0 turns the split path off (every row on the per-row kernels),
     `finish_sort` 0 sorts a split row's every candidate (else at most that many, after a count search); a batch
-    of fewer than `split_min_batch` rows takes the per-row kernels only."""
+    outside [`split_min_batch`, `split_max_batch`] rows takes the per-row kernels only."""
     batch, vocab = logits.shape
     assert logits.stride(1) == 1, "logits must be contiguous along the vocabulary"
     out = torch.empty(batch, dtype=torch.int64, device=logits.device)
@@ -605,7 +621,7 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.
     counters = torch.zeros(batch, 4, dtype=torch.int32, device=logits.device)  # one per gather of a row
     settings = (temperatures, top_k, top_p, min_p, seeds, positions)
     assert finish_sort == 0 or finish_sort >= slots, "finish_sort below slots cannot hold a top-k of slots"
-    if batch < split_min_batch:
+    if not split_min_batch <= batch <= split_max_batch:
         slots = 0
     if slots:
         chunks = triton.cdiv(vocab, chunk)

@@ -4,11 +4,12 @@ fused kernel) against the fused Triton kernel, and compute_logprobs(k=5); JSON l
     python scripts/bench_sampler.py OUT.jsonl [--batches 1 16 64 256] [--vocab 151936] [--reps 50] [--sweep]
 
 Runs from a checkout with only torch and triton installed (no engine imports). Each line: mode, batch, vocab,
-path ("torch_full_sort" | "fused_kernel" | "fused_kernel_per_row" | "sample_dispatch" | "logprobs_k5"), median ms
-over `reps` CUDA-event timings, and for the kernel the fraction of rows whose token equals the torch path's (same
-seeds: expected 1.0 but for knife-edge float rounding). "fused_kernel" is `fused_sample` with its defaults (the
-split path for top-k <= slots in batches of 16 or more); "fused_kernel_per_row" the same rows with the split path
-off (slots=0); "sample_dispatch" what the engine's `sample` runs. --sweep also times the per-row kernels' (block,
+path ("torch_full_sort" | "fused_kernel" | "fused_kernel_per_row" | "fused_kernel_split" | "sample_dispatch" |
+"logprobs_k5"), median ms over `reps` CUDA-event timings, and for the kernel the fraction of rows whose token equals
+the torch path's (same seeds: expected 1.0 but for knife-edge float rounding). "fused_kernel" is `fused_sample` with
+its defaults (the split path for top-k <= slots in batches of 16 to 192 rows); "fused_kernel_per_row" the same rows
+with the split path off (slots=0), "fused_kernel_split" with it on at any batch; "sample_dispatch" what the engine's
+`sample` runs. --sweep also times the per-row kernels' (block,
 num_warps, cap) and the split path's (chunk, split_warps, finish_warps, slots, finish_sort)."""
 from __future__ import annotations
 
@@ -105,15 +106,17 @@ def main() -> None:
                 emit({**base, "path": "torch_full_sort", "ms": median_cuda_ms(torch_path, args.reps)})
                 agree = (fused() == torch_path()).float().mean().item()
                 emit({**base, "path": "fused_kernel", "ms": median_cuda_ms(fused, args.reps), "agree": agree})
-                if mode in SPLIT_MODES:  # the same rows on the per-row kernels (split path off)
-                    per_row = functools.partial(fused, slots=0)
-                    emit({**base, "path": "fused_kernel_per_row", "ms": median_cuda_ms(per_row, args.reps),
-                          "agree": (per_row() == torch_path()).float().mean().item()})
+                if mode in SPLIT_MODES:  # the same rows on each path alone
+                    for path, forced in (("fused_kernel_per_row", functools.partial(fused, slots=0)),
+                                         ("fused_kernel_split", functools.partial(fused, split_min_batch=1,
+                                                                                  split_max_batch=batch))):
+                        emit({**base, "path": path, "ms": median_cuda_ms(forced, args.reps),
+                              "agree": (forced() == torch_path()).float().mean().item()})
                 for chunk, split_warps, finish_warps, slots, finish_sort in (
                         SPLIT_SWEEP if args.sweep and mode in SPLIT_MODES else ()):
                     config = {"chunk": chunk, "split_warps": split_warps, "finish_warps": finish_warps, "slots": slots,
                               "finish_sort": finish_sort}
-                    swept = functools.partial(fused, **config)
+                    swept = functools.partial(fused, **config, split_min_batch=1, split_max_batch=batch)
                     emit({**base, **config, "path": "fused_kernel_split_sweep", "ms": median_cuda_ms(swept, args.reps),
                           "agree": (swept() == torch_path()).float().mean().item()})
                 for block, num_warps, cap in SWEEP if args.sweep and mode != "greedy" else ():

@@ -195,3 +195,22 @@ def test_split_path_rows_do_not_depend_on_the_batch_or_the_chunking():
     for row in (1, 2, 9, 12):
         alone = tensors(settings[row:row + 1], VOCAB, t.seeds[row:row + 1].cpu(), t.sample_positions[row:row + 1].cpu())
         assert run_kernel(logits[row:row + 1], alone, cap=64, block=256, chunk=128, slots=64).item() == per_row[row]
+
+
+def test_first_kernel_finishes_every_untied_top_k_row_within_cap():
+    """A top-k row of distinct logits with k <= cap is finished by the first kernel: its search runs until the
+    kept set fits in cap, not merely until the search interval does (which left rows to the wide kernel, a
+    second kernel as slow as the first)."""
+    from nanovllm.kernels import sampling
+
+    cap, rows = 16, 48
+    settings = [(0.8, 4 + row % 12, 0.9 if row % 2 else 1.0, 0.0) for row in range(rows)]
+    logits = torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(21)).mul_(3).to(DEVICE)
+    t = tensors(settings, VOCAB)
+    out = torch.full((rows,), -1, dtype=torch.int64, device=DEVICE)
+    scratch = torch.empty(rows, cap, dtype=torch.int64, device=DEVICE)
+    counters = torch.zeros(rows, 4, dtype=torch.int32, device=DEVICE)
+    sampling._sample_kernel[(rows,)](logits, VOCAB, out, t.temperatures, t.top_k, t.top_p, t.min_p, t.seeds,
+                                     t.sample_positions, scratch, counters, VOCAB, BLOCK=256, PIVOTS=sampling.PIVOTS,
+                                     CAP=cap, MAX_PASSES=sampling.MAX_PASSES, SLOTS=0)
+    assert out.tolist() == reference_sample(logits, t).tolist()
