@@ -212,6 +212,60 @@ def test_nothing_to_run_but_a_compile_waits_on_it():
     assert seq.grammar_future.waited == 1
 
 
+class _Grammar:
+    """A row grammar that records what it accepts and rejects the ids in `reject`."""
+
+    def __init__(self, stop_ids, reject=()):
+        self.stop_token_ids = tuple(stop_ids)
+        self.reject = set(reject)
+        self.accepted = []
+        self.rejected_token = None
+
+    def accept(self, token_id):
+        if token_id in self.reject:
+            self.rejected_token = token_id
+            return False
+        self.accepted.append(token_id)
+        return True
+
+
+def constrained_scheduler(rows: int, reject=()):
+    """A scheduler running `rows` constrained sequences (EOS 2, max_tokens 3), after their prefill step."""
+    sched = Scheduler(BlockManager(64, 4, True), 8, 64, 256, {2})
+    seqs = [make_seq([5, 6, 7 + i], max_tokens=3) for i in range(rows)]
+    for seq in seqs:
+        seq.grammar_future = _Compile()
+        seq.grammar_future.done = True
+        seq.grammar_future.new_row = lambda stop_ids: _Grammar(stop_ids, reject)
+        sched.add(seq)
+    return sched, seqs
+
+
+def test_accepts_of_rows_that_go_on_wait_for_accept_deferred():
+    """postprocess accepts at once only for rows that end (EOS, length); the others' accepts are queued, and run
+    in order: by accept_deferred (the step loop calls it under the next forward) or first thing in the next
+    postprocess."""
+    sched, (going_on, ending) = constrained_scheduler(2)
+    sched.postprocess(sched.schedule(), [11, 2])
+    assert going_on.grammar.accepted == [] and going_on.status is SequenceStatus.RUNNING
+    assert ending.grammar.accepted == [2] and ending.finish_reason == "stop"
+    sched.accept_deferred()
+    assert going_on.grammar.accepted == [11]
+    sched.postprocess(sched.schedule(), [12])
+    sched.postprocess(sched.schedule(), [13])  # runs the queued 12 first, then 13 at once: the length limit
+    assert going_on.grammar.accepted == [11, 12, 13] and going_on.finish_reason == "length"
+
+
+def test_a_rejected_deferred_accept_fails_that_row_at_its_next_postprocess():
+    sched, (bad, good) = constrained_scheduler(2, reject={11})
+    sched.postprocess(sched.schedule(), [11, 12])
+    sched.accept_deferred()
+    assert bad.status is SequenceStatus.RUNNING and bad.grammar.rejected_token == 11
+    sched.postprocess(sched.schedule(), [13, 14])
+    assert bad.finish_reason == "error" and "rejected sampled token 11" in bad.error
+    assert good.status is SequenceStatus.RUNNING and good.grammar.accepted == [12]
+
+
 EXTRACTION_PROMPTS = [
     "Maria Lopez, 34, a senior data engineer at Finch Analytics (finance, remote) with 9 years of experience in "
     "Python, Spark and SQL. Email: maria.lopez@finch.io",

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -12,6 +13,13 @@ from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.engine.stop_strings import StopStringDetector
 from nanovllm.kv_groups import max_blocks_held
 from nanovllm.runner.logprob_step import StepLogprobs
+
+if TYPE_CHECKING:
+    from nanovllm.structured import RowGrammar
+
+
+def _rejected(token_id: int) -> str:
+    return f"structured_outputs: the grammar rejected sampled token {token_id}"
 
 
 @dataclass
@@ -62,6 +70,7 @@ class Scheduler:
         self._num_finished = 0
         self._plan: _DecodePlan | None = None  # set by the previous schedule() only
         self._num_constrained = 0  # running sequences with a structured-output grammar
+        self._deferred_accepts: list[tuple[RowGrammar, int]] = []  # see accept_deferred
 
     def add(self, seq: Sequence) -> None:
         seq.max_len = self.max_len_of(seq)
@@ -305,6 +314,7 @@ class Scheduler:
         a stop rule ends; `take_finished` hands them out. `logprobs`: the step's, when some row asked."""
         if logprobs is not None:
             record_step_logprobs(batch, logprobs)
+        self.accept_deferred()  # a grammar takes its tokens in order
         finished, commit = SequenceStatus.FINISHED, self.block_manager.commit_computed_blocks
         for seq, num_new, samples, epoch, token_id in zip(batch.seqs, batch.num_new_tokens, batch.samples,
                                                            batch.epochs, sampled_token_ids):
@@ -312,17 +322,33 @@ class Scheduler:
                 continue  # preempted or finished after this step was scheduled: its work here is void
             seq.commit_step(num_new, token_id if samples else None)
             commit(seq)
-            if samples:
-                grammar = seq.grammar
-                if grammar is None:
-                    reason = self._stop_reason(seq, token_id)
-                elif not grammar.accept(token_id):  # the mask allows only acceptable tokens: an engine bug
-                    self._finish(seq, "error", f"structured_outputs: the grammar rejected sampled token {token_id}")
+            if not samples:
+                continue
+            grammar = seq.grammar
+            if grammar is None:
+                reason = self._stop_reason(seq, token_id)
+            elif grammar.rejected_token is not None:  # a deferred accept failed
+                self._finish(seq, "error", _rejected(grammar.rejected_token))
+                continue
+            else:  # the mask allows a stop id only where the grammar is complete: it ends the row (ignore_eos too)
+                reason = "stop" if token_id in grammar.stop_token_ids else self._stop_reason(seq, token_id)
+                if not reason:  # the row goes on: its accept can wait for the next step's masks
+                    self._deferred_accepts.append((grammar, token_id))
                     continue
-                else:  # a terminated grammar accepted EOS or a stop id: the output is complete (ignore_eos too)
-                    reason = "stop" if grammar.is_terminated() else self._stop_reason(seq, token_id)
-                if reason:
-                    self._finish(seq, reason)
+                if not grammar.accept(token_id):  # the mask allows only acceptable tokens: an engine bug
+                    self._finish(seq, "error", _rejected(token_id))
+                    continue
+            if reason:
+                self._finish(seq, reason)
+
+    def accept_deferred(self) -> None:
+        """Advance the grammars of the constrained rows that went on by the tokens they sampled. `postprocess`
+        defers these accepts, so that the step loop can run them while the device runs the next step's forward:
+        only that step's masks need them (docs/STRUCTURED_OUTPUTS.md). A token a grammar rejects stays on it
+        (`RowGrammar.rejected_token`), and the row finishes with an error at its next postprocess."""
+        deferred, self._deferred_accepts = self._deferred_accepts, []
+        for grammar, token_id in deferred:
+            grammar.accept(token_id)
 
     def _stop_reason(self, seq: Sequence, token_id: int) -> str | None:
         """Every stop rule, in vLLM's order: EOS and stop tokens, stop strings (neither before `min_tokens`
@@ -372,6 +398,7 @@ class Scheduler:
         self.running.clear()
         self.waiting.clear()
         self.finished.clear()
+        self._deferred_accepts.clear()
         self._plan = None
         self._running_version += 1
         self._num_constrained = 0

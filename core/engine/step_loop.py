@@ -31,9 +31,10 @@ class StepLoop:
     the order they were launched. Both orders use the same scheduler, runner and postprocess.
 
     A step with structured-output rows is launched in two halves: the forward, then (once the matchers have
-    accepted every earlier step's token: the async loop completes the step in flight here, while the device runs
-    the forward) the masks are filled and sampling is launched. Steps without such rows are launched whole, as
-    before (docs/STRUCTURED_OUTPUTS.md)."""
+    accepted every earlier step's token) the masks are filled and sampling is launched. The accepts run between
+    the halves, while the device runs the forward: postprocess defers those of the rows that go on, and the async
+    loop also completes the step in flight there. Steps without such rows are launched whole, as before
+    (docs/STRUCTURED_OUTPUTS.md)."""
 
     def __init__(self, scheduler: Scheduler, runner: ModelRunner | TPRunner, stats: EngineStats, overlap: bool):
         self.scheduler = scheduler
@@ -85,6 +86,7 @@ class StepLoop:
             finished += self._complete(self.in_flight)
             self.in_flight = None
         t3 = time.perf_counter()
+        self.scheduler.accept_deferred()
         handle = self.runner.launch_sample(forward, self.runner.fill_masks(batch))
         return LaunchedStep(batch, handle, t1 - t0, t2 - t1, forward_s + time.perf_counter() - t3)
 

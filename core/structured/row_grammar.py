@@ -28,6 +28,7 @@ class RowGrammar:
         self._matcher = xgr.GrammarMatcher(grammar, override_stop_tokens=stop)
         self.stop_token_ids = tuple(stop)
         self.num_accepted = 0
+        self.rejected_token: int | None = None  # the last token `accept` refused (the mask allows none: a bug)
 
     def fork(self) -> RowGrammar:
         """An independent copy at the same place (a request with `n` > 1 forks its rows)."""
@@ -36,12 +37,16 @@ class RowGrammar:
         twin._matcher = self._matcher.fork()
         twin.stop_token_ids = self.stop_token_ids
         twin.num_accepted = self.num_accepted
+        twin.rejected_token = self.rejected_token
         return twin
 
     def accept(self, token_id: int) -> bool:
-        """Advance by one sampled token; False (state unchanged) if the grammar does not allow it here."""
+        """Advance by one sampled token; False (state unchanged, the token kept as `rejected_token`) if the grammar
+        does not allow it here."""
         accepted = self._matcher.accept_token(token_id)
         self.num_accepted += accepted
+        if not accepted:
+            self.rejected_token = token_id
         return accepted
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
