@@ -14,25 +14,15 @@ The rule (the torch path `nanovllm.layers.sampler.reference_sample` states it th
     `h_i = mix32(row_key ^ (i * GOLDEN))`, `row_key = mix32(mix32(mix32(seed_lo ^ SALT) ^ seed_hi) ^ position)`.
     A seeded row's token therefore depends on its logits, seed and position only, never on the batch.
 
-The split path (rows with top-k <= SLOTS, with or without top-p and min-p, in batches of SPLIT_MIN_BATCH to
-SPLIT_MAX_BATCH rows) reads the logits once, spread over many programs per row. The first kernel, grid (rows,
-chunks), loads a chunk of CHUNK logits into registers; for a top-k row it finds, by a count search over those
-registers, a threshold at or below the chunk's min(k, finite)-th largest logit with at most SLOTS tokens at or above
-it, and writes those (sort keys: value, then id) and their count. The row's top-k with ties lies in the union of the
-chunks' (a token the chunk's threshold drops has k larger tokens in its chunk alone), and that union holds the row
-maximum and, when fewer than k tokens are finite, every finite token: so k_target = min(k, candidates). The second
-kernel, one program per row, sorts the row's candidates in registers (first narrowed to at most FINISH_SORT holding
-the top-k with ties, by the same count search, when that many suffice) and finishes as the per-row path does below
-(same helpers). A chunk with more than SLOTS tokens tied at its threshold (or MAX_PASSES) marks its row WIDE, for
-the wide kernel below.
-
-The per-row path, one program per row, takes every other row (every row when `slots` is 0). How it avoids
-sorting the vocabulary: after one pass for (max, finite min, softmax mass) the kernel searches the threshold of the
-first active filter (count mode for top-k, mass mode for top-p) with PIVOTS thresholds per pass over the row,
-narrowing [lo, hi) (lo satisfies the filter's target, hi does not). For a top-k of at most CAP the first kernel,
-as soon as at most CAP tokens lie at or above lo, gathers them (value, id) into a per-row scratch, sorts those in
-registers and finishes every threshold and the Gumbel-max draw there: no further pass. Temperature-only rows take
-a single pass (draw over all), min-p-only rows two.
+One program per row. How the kernels avoid sorting
+the vocabulary: after one pass for (max, finite min, softmax mass) the kernel searches the threshold of the first
+active filter (count mode for top-k, mass mode for top-p) with PIVOTS thresholds per pass over the row, narrowing
+[lo, hi) (lo satisfies the filter's target, hi does not). For a top-k of at most CAP the first kernel tries first,
+with no search pass, lo = the min(k, finite)-th largest of the stats pass's per-lane maxima (found in registers): at
+least that many tokens lie at or above it, and for logits not laid out against the lanes not many more. Once at most
+CAP tokens lie at or above lo (from that try, else from the search), it gathers them (value, id) into a per-row
+scratch, sorts those in registers and finishes every threshold and the Gumbel-max draw there: no further pass.
+Temperature-only rows take a single pass (draw over all), min-p-only rows two.
 
 Rows with top-k > CAP or top-p without top-k, and top-k rows whose search still has more than CAP tokens at or
 above lo (ties, or MAX_PASSES), are left by that first kernel to a second one, which every other row leaves at
@@ -65,18 +55,6 @@ DEFAULT_BLOCK = 4096
 DEFAULT_WARPS = 16
 PIVOTS = 8
 MAX_PASSES = 12
-# The split path (top-k up to DEFAULT_SLOTS): chunks of DEFAULT_CHUNK logits, the fastest of `scripts/bench_sampler.py
-# --sweep` on an H200 (docs/BENCHMARKS.md, 2026-11-26). It takes batches of SPLIT_MIN_BATCH to SPLIT_MAX_BATCH
-# rows: its time grows with the rows (top-k 50 + top-p, kernels alone: 0.034 ms at 16, 0.09 at 64, 0.25 at 192,
-# 0.33 at 256), the per-row kernels' with the waves of one program per row over the SMs (0.11 at 1, 0.16 at 16 to
-# 128, 0.28 at 192 and 256), and below 16 rows the per-row kernels were faster. It never takes temperature-only rows.
-DEFAULT_CHUNK = 4096
-DEFAULT_SLOTS = 64
-DEFAULT_SPLIT_WARPS = 4
-DEFAULT_FINISH_WARPS = 8
-DEFAULT_FINISH_SORT = 256
-SPLIT_MIN_BATCH = 16
-SPLIT_MAX_BATCH = 192
 
 
 @triton.jit
@@ -151,7 +129,7 @@ def _draw_pass(base, vocab, tau, inv_t, row_key, BLOCK: tl.constexpr):
 @triton.jit
 def _stats_pass(base, vocab, inv_t, BLOCK: tl.constexpr, WITH_MASS: tl.constexpr):
     """(max, smallest finite logit, number of finite logits, sum of exp((x - max) * inv_t) or 0 without
-    WITH_MASS), one online pass with per-lane accumulators."""
+    WITH_MASS, the per-lane maxima [BLOCK]), one online pass with per-lane accumulators."""
     lane_max = tl.full([BLOCK], float("-inf"), tl.float32)
     lane_min = tl.full([BLOCK], float("inf"), tl.float32)
     finite = tl.zeros([BLOCK], dtype=tl.int32)
@@ -169,7 +147,7 @@ def _stats_pass(base, vocab, inv_t, BLOCK: tl.constexpr, WITH_MASS: tl.constexpr
     row_max = tl.max(lane_max, axis=0)
     shift = tl.where(row_max > float("-inf"), row_max, 0.0)
     mass = tl.sum(lane_mass * tl.exp((lane_max - shift) * inv_t), axis=0)
-    return row_max, tl.min(lane_min, axis=0), tl.sum(finite, axis=0), mass
+    return row_max, tl.min(lane_min, axis=0), tl.sum(finite, axis=0), mass, lane_max
 
 
 @triton.jit
@@ -299,9 +277,9 @@ def _from_key(keys):
 
 @triton.jit
 def _gather_sorted(base, vocab, lo, hi, scratch_row, counter, BLOCK: tl.constexpr, CAP: tl.constexpr):
-    """The tokens with lo <= x < hi (at most CAP of them), sorted by logit descending then id ascending:
-    (values, ids, lane is filled). Each chosen token takes a scratch slot from an atomic counter (zero before
-    the call): the order the slots are taken in does not matter, the sort restores one."""
+    """The tokens with lo <= x < hi, sorted by logit descending then id ascending: (values, ids, lane is filled,
+    their count), valid when the count is at most CAP. Each chosen token takes a scratch slot from an atomic
+    counter (zero before the call): the order the slots are taken in does not matter, the sort restores one."""
     for start in range(0, vocab, BLOCK):
         x, cols = _load(base, start, vocab, BLOCK)
         chosen = (x >= lo) & (x < hi)
@@ -312,7 +290,7 @@ def _gather_sorted(base, vocab, lo, hi, scratch_row, counter, BLOCK: tl.constexp
     lanes = tl.arange(0, CAP)
     keys = tl.load(scratch_row + lanes, mask=lanes < filled, other=NO_KEY)
     values, ids = _from_key(tl.sort(keys, descending=True))
-    return values, ids, lanes < filled
+    return values, ids, lanes < filled, filled
 
 
 @triton.jit
@@ -335,15 +313,6 @@ def _row_settings(temperatures, top_k, top_p, min_p, seeds, positions, row, voca
 
 
 @triton.jit
-def _finish_in_registers(base, vocab, lo, hi, row_max, inv_t, k_target, p, tau, topp_on, row_key, scratch_row,
-                         counter, BLOCK: tl.constexpr, CAP: tl.constexpr):
-    """Every token >= lo fits in CAP and top-k is on: gather and sort them, place top-k, then top-p among its
-    survivors, and draw; no further pass."""
-    values, ids, filled = _gather_sorted(base, vocab, lo, hi, scratch_row, counter, BLOCK, CAP)
-    return _finish_sorted(values, ids, filled, row_max, inv_t, k_target, p, tau, topp_on, row_key, vocab, CAP)
-
-
-@triton.jit
 def _finish_sorted(values, ids, filled, row_max, inv_t, k_target, p, tau, topp_on, row_key, vocab,
                    CAP: tl.constexpr):
     """Every token that can be kept, sorted (filled lanes first, by logit descending then id ascending), top-k on:
@@ -363,37 +332,13 @@ def _finish_sorted(values, ids, filled, row_max, inv_t, k_target, p, tau, topp_o
 
 
 WIDE = tl.constexpr(-2)  # the token of a row the first kernel leaves to the second (more than CAP kept tokens)
-SPLIT = tl.constexpr(-3)  # a row of the split path, which _sample_kernel leaves alone
 
 
 @triton.jit
-def _takes_split(temperature, k, topk_on, SLOTS: tl.constexpr):
-    """The rows of the split path (none when SLOTS is 0): top-k up to SLOTS, with or without top-p and min-p."""
-    return (SLOTS > 0) & (temperature != 0.0) & topk_on & (k <= SLOTS)
-
-
-@triton.jit
-def _pivot_counts(x, lo, top, lanes, PIVOTS: tl.constexpr):
-    """(pivots, count of x >= each): the thresholds of _pivots, counted one at a time, so that no [len(x), PIVOTS]
-    comparison is held in registers (a chunk's spilled: 0.39 -> 0.30 ms for the split kernel at batch 256)."""
-    pivots = tl.zeros([PIVOTS], dtype=tl.float32)
-    counts = tl.zeros([PIVOTS], dtype=tl.int32)
-    for j in tl.static_range(PIVOTS):
-        if j == PIVOTS - 1:
-            pivot = top
-        else:
-            pivot = lo + (top - lo) * ((j + 1) / PIVOTS)
-        pivots = tl.where(lanes == j, pivot, pivots)
-        counts = tl.where(lanes == j, tl.sum((x >= pivot).to(tl.int32), axis=0), counts)
-    return pivots, counts
-
-
-@triton.jit
-def _chunk_threshold(x, target, PIVOTS: tl.constexpr, SLOTS: tl.constexpr, MAX_PASSES: tl.constexpr):
-    """(lo, count of x >= lo): the count search of _search over a chunk in registers. lo is at most the chunk's
-    target-th largest logit, so x >= lo holds its top `target` with every tie; it stops once at most SLOTS tokens
-    lie at or above lo (a count above SLOTS: ties, or MAX_PASSES). No finite logit: lo = +inf, count 0. NaN lanes
-    (no candidate) count nowhere."""
+def _threshold_in_registers(x, target, LIMIT: tl.constexpr, PIVOTS: tl.constexpr, MAX_PASSES: tl.constexpr):
+    """(lo, count of x >= lo): the count search of _search over values in registers. lo is at most the
+    target-th largest of x, so x >= lo holds its top `target` with every tie; the search stops once at most LIMIT
+    values lie at or above lo (a count above LIMIT: ties, or MAX_PASSES). No finite value: lo = +inf, count 0."""
     finite = x > float("-inf")
     lo = tl.min(tl.where(finite, x, float("inf")), axis=0)
     count_lo = tl.sum(finite.to(tl.int32), axis=0)
@@ -404,8 +349,9 @@ def _chunk_threshold(x, target, PIVOTS: tl.constexpr, SLOTS: tl.constexpr, MAX_P
     masses = tl.zeros([PIVOTS], dtype=tl.float32)
     lanes = tl.arange(0, PIVOTS)
     passes = 0
-    while (count_lo > SLOTS) & (lo < top) & (passes < MAX_PASSES):
-        pivots, counts = _pivot_counts(x, lo, top, lanes, PIVOTS)
+    while (count_lo > LIMIT) & (lo < top) & (passes < MAX_PASSES):
+        pivots = _pivots(lo, top, lanes, PIVOTS)
+        counts = tl.sum((x[:, None] >= pivots[None, :]).to(tl.int32), axis=0)
         lo, hi, count_lo, count_hi, _, _ = _narrow(pivots, counts, masses, counts >= target, lo, hi, count_lo,
                                                    count_hi, no_mass, no_mass, PIVOTS)
         top = tl.minimum(hi, top)
@@ -414,118 +360,44 @@ def _chunk_threshold(x, target, PIVOTS: tl.constexpr, SLOTS: tl.constexpr, MAX_P
 
 
 @triton.jit
-def _sample_split_kernel(logits, stride, temperatures, top_k, top_p, min_p, seeds, positions, keys, counts, vocab,
-                         CHUNK: tl.constexpr, PIVOTS: tl.constexpr, SLOTS: tl.constexpr,
-                         MAX_PASSES: tl.constexpr):
-    """Split path, grid (rows, chunks): chunk c of a row (logits [c * CHUNK, (c + 1) * CHUNK)) is read once, into
-    registers. A top-k row writes the chunk's candidates, a superset of its top-k with ties (the row's top-k with
-    ties lies in the union of the chunks'), as sort keys into its SLOTS key slots, and their count (-1: more than
-    SLOTS)."""
-    row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    temperature, inv_t, k, p, minimum_p, row_key, topk_on, topp_on = _row_settings(
-        temperatures, top_k, top_p, min_p, seeds, positions, row, vocab)
-    if _takes_split(temperature, k, topk_on, SLOTS):
-        x, cols = _load(logits + row * stride, chunk * CHUNK, vocab, CHUNK)
-        slot = row * tl.num_programs(1) + chunk
-        lo, count = _chunk_threshold(x, tl.minimum(k, vocab).to(tl.int32), PIVOTS, SLOTS, MAX_PASSES)
-        chosen = x >= lo
-        place = tl.cumsum(chosen.to(tl.int32), axis=0) - 1
-        tl.store(keys + slot * SLOTS + place, _sort_key(x, cols), mask=chosen & (place < SLOTS))  # all or none read
-        tl.store(counts + slot, tl.where(count <= SLOTS, count, -1))
-
-
-@triton.jit
-def _finish_candidates(row_keys, filled, temperature, inv_t, k, p, minimum_p, topp_on, row_key, vocab,
-                       LANES: tl.constexpr):
-    """A split row's candidates (keys, filled lanes), sorted and finished as _finish_in_registers does: the row
-    maximum is the largest candidate; a k past the unbanned tokens keeps every candidate (then all of them)."""
-    values, ids = _from_key(tl.sort(row_keys, descending=True))
-    filled = tl.arange(0, LANES) < tl.sum(filled.to(tl.int32), axis=0)  # the sort puts the filled lanes first
-    row_max = tl.max(tl.where(filled, values, float("-inf")), axis=0)
-    tau = tl.full([], float("-inf"), tl.float32)
-    if minimum_p > 0.0:
-        tau = row_max + temperature * tl.log(minimum_p)
-    k_target = tl.minimum(k, tl.sum(filled.to(tl.int32), axis=0)).to(tl.float32)
-    return _finish_sorted(values, ids, filled, row_max, inv_t, k_target, p, tau, topp_on, row_key, vocab, LANES)
-
-
-@triton.jit
-def _sample_split_finish_kernel(out, temperatures, top_k, top_p, min_p, seeds, positions, keys, counts, short,
-                                vocab, chunks, SLOTS: tl.constexpr, CHUNKS: tl.constexpr, SHORT: tl.constexpr,
-                                PIVOTS: tl.constexpr, MAX_PASSES: tl.constexpr):
-    """Split path, one program per row: the row's chunks' keys (CHUNKS: the number of chunks rounded up to a power
-    of two). A row finishes from its candidates (_finish_candidates), or is marked WIDE when a chunk overflowed.
-    With SHORT > 0, a count search over the candidates in registers first keeps at most SHORT of them that hold the
-    top-k with ties (the chunks' search again), moved through the row's `short` scratch, so that only those are
-    sorted; when ties leave more, all are sorted."""
-    row = tl.program_id(0).to(tl.int64)
-    temperature, inv_t, k, p, minimum_p, row_key, topk_on, topp_on = _row_settings(
-        temperatures, top_k, top_p, min_p, seeds, positions, row, vocab)
-    if _takes_split(temperature, k, topk_on, SLOTS):
-        lanes = tl.arange(0, CHUNKS * SLOTS)
-        chunk = lanes // SLOTS
-        filled_in_chunk = tl.load(counts + row * chunks + chunk, mask=chunk < chunks, other=0)
-        row_keys = tl.load(keys + row * chunks * SLOTS + lanes, mask=lanes % SLOTS < filled_in_chunk, other=NO_KEY)
-        if tl.min(filled_in_chunk, axis=0) < 0:
-            token = tl.full([], WIDE, tl.int64)
-        else:
-            filled = row_keys != NO_KEY
-            if SHORT > 0:
-                values, _ = _from_key(row_keys)  # NO_KEY: NaN, neither finite nor at or above any threshold
-                total = tl.sum(filled.to(tl.int32), axis=0)
-                lo, count = _chunk_threshold(values, tl.minimum(k, total).to(tl.int32), PIVOTS, SHORT, MAX_PASSES)
-                if count <= SHORT:
-                    chosen = filled & (values >= lo)
-                    place = tl.cumsum(chosen.to(tl.int32), axis=0) - 1
-                    tl.store(short + row * SHORT + place, row_keys, mask=chosen & (place < SHORT))
-                    tl.debug_barrier()
-                    short_lanes = tl.arange(0, SHORT)
-                    kept = short_lanes < count
-                    token = _finish_candidates(tl.load(short + row * SHORT + short_lanes, mask=kept, other=NO_KEY),
-                                               kept, temperature, inv_t, k, p, minimum_p, topp_on, row_key, vocab,
-                                               SHORT)
-                else:
-                    token = _finish_candidates(row_keys, filled, temperature, inv_t, k, p, minimum_p, topp_on,
-                                               row_key, vocab, CHUNKS * SLOTS)
-            else:
-                token = _finish_candidates(row_keys, filled, temperature, inv_t, k, p, minimum_p, topp_on, row_key,
-                                           vocab, CHUNKS * SLOTS)
-        tl.store(out + row, token)
-
-
-@triton.jit
 def _sample_kernel(logits, stride, out, temperatures, top_k, top_p, min_p, seeds, positions, scratch, counters,
-                   vocab, BLOCK: tl.constexpr, PIVOTS: tl.constexpr, CAP: tl.constexpr, MAX_PASSES: tl.constexpr,
-                   SLOTS: tl.constexpr):
+                   vocab, BLOCK: tl.constexpr, PIVOTS: tl.constexpr, CAP: tl.constexpr, MAX_PASSES: tl.constexpr):
     """Rows with a top-k up to CAP (with or without top-p and min-p), temperature-only, min-p-only and greedy
-    rows, but for those the split path takes (_takes_split); the others (top-k > CAP, top-p without top-k, a
-    top-k search left with more than CAP tokens) are marked WIDE for _sample_wide_kernel. Kept lean, with
+    rows; the others (top-k > CAP, top-p without top-k, a top-k search left with more than CAP tokens) are marked
+    WIDE for _sample_wide_kernel. Kept lean, with
     count searches only: its registers bound the speed of every pass."""
     row = tl.program_id(0).to(tl.int64)
     base = logits + row * stride
     temperature, inv_t, k, p, minimum_p, row_key, topk_on, topp_on = _row_settings(
         temperatures, top_k, top_p, min_p, seeds, positions, row, vocab)
     token = tl.full([], -1, tl.int64)
-    if _takes_split(temperature, k, topk_on, SLOTS):
-        token = tl.full([], SPLIT, tl.int64)  # _sample_split_finish_kernel writes it
-    elif temperature == 0.0:
+    if temperature == 0.0:
         token = _argmax_pass(base, vocab, BLOCK)
     else:
         tau = tl.full([], float("-inf"), tl.float32)
         if topk_on & (k <= CAP):  # top-p (if on) is placed among the top-k survivors once they are in registers
-            row_max, row_min, finite, mass = _stats_pass(base, vocab, inv_t, BLOCK, False)
+            row_max, row_min, finite, mass, lane_max = _stats_pass(base, vocab, inv_t, BLOCK, False)
             if minimum_p > 0.0:
                 tau = row_max + temperature * tl.log(minimum_p)
             k_target = tl.minimum(k, finite).to(tl.float32)  # a k past the unbanned tokens keeps them all
-            lo, hi, count_lo, count_hi, mass_lo, mass_hi = _search(
-                base, vocab, row_max, inv_t, row_min, finite, mass, k_target, False, False, False, BLOCK, PIVOTS, CAP,
-                MAX_PASSES)
-            if count_lo <= CAP:
-                token = _finish_in_registers(base, vocab, lo, hi, row_max, inv_t, k_target, p, tau, topp_on,
-                                             row_key, scratch + row * CAP, counters + row * 4, BLOCK, CAP)
-            else:
-                token = tl.full([], WIDE, tl.int64)
+            # The first try starts at the k_target-th largest lane maximum, found in registers: at least k_target
+            # tokens lie at or above it, and about that many unless the logits are laid out against the lanes.
+            lo, _ = _threshold_in_registers(lane_max, k_target.to(tl.int32), CAP, PIVOTS, MAX_PASSES)
+            scratch_row = scratch + row * CAP
+            values, ids, kept, count = _gather_sorted(base, vocab, lo, float("inf"), scratch_row, counters + row * 4,
+                                                      BLOCK, CAP)
+            if (count < k_target) | (count > CAP):  # else the search over the row
+                lo, hi, count_lo, count_hi, mass_lo, mass_hi = _search(
+                    base, vocab, row_max, inv_t, row_min, finite, mass, k_target, False, False, False, BLOCK, PIVOTS,
+                    CAP, MAX_PASSES)
+                if count_lo <= CAP:
+                    values, ids, kept, count = _gather_sorted(base, vocab, lo, hi, scratch_row, counters + row * 4 + 3,
+                                                              BLOCK, CAP)
+                else:
+                    token = tl.full([], WIDE, tl.int64)
+            if token == -1:
+                token = _finish_sorted(values, ids, kept, row_max, inv_t, k_target, p, tau, topp_on, row_key, vocab,
+                                       CAP)
         elif topk_on | topp_on:  # a kept set that may exceed CAP: the second kernel's
             token = tl.full([], WIDE, tl.int64)
         elif minimum_p > 0.0:
@@ -536,8 +408,7 @@ def _sample_kernel(logits, stride, out, temperatures, top_k, top_p, min_p, seeds
             tau = row_max + temperature * tl.log(minimum_p)
         if token == -1:
             token = _draw_pass(base, vocab, tau, inv_t, row_key, BLOCK)
-    if token != SPLIT:
-        tl.store(out + row, token)
+    tl.store(out + row, token)
 
 
 @triton.jit
@@ -553,7 +424,7 @@ def _sample_wide_kernel(logits, stride, out, temperatures, top_k, top_p, min_p, 
         base = logits + row * stride
         temperature, inv_t, k, p, minimum_p, row_key, topk_on, topp_on = _row_settings(
             temperatures, top_k, top_p, min_p, seeds, positions, row, vocab)
-        row_max, row_min, finite, total = _stats_pass(base, vocab, inv_t, BLOCK, True)
+        row_max, row_min, finite, total, _lane_max = _stats_pass(base, vocab, inv_t, BLOCK, True)
         tau = tl.full([], float("-inf"), tl.float32)
         if minimum_p > 0.0:
             tau = row_max + temperature * tl.log(minimum_p)
@@ -573,7 +444,7 @@ def _sample_wide_kernel(logits, stride, out, temperatures, top_k, top_p, min_p, 
         count_kept = count_lo
         survivors = mass_lo
         if count_lo - count_hi <= CAP:  # the exact threshold, inside the interval
-            values, ids, filled = _gather_sorted(base, vocab, lo, hi, scratch_row, counter + 1, BLOCK, CAP)
+            values, ids, filled, _ = _gather_sorted(base, vocab, lo, hi, scratch_row, counter + 1, BLOCK, CAP)
             weights = tl.where(filled, tl.exp((values - row_max) * inv_t), 0.0)
             if topk_on:
                 threshold = _first_reaching(values, (count_hi + lanes + 1).to(tl.float32), k_target, filled,
@@ -591,7 +462,7 @@ def _sample_wide_kernel(logits, stride, out, temperatures, top_k, top_p, min_p, 
             tau_k = threshold
             threshold = lo
             if count_lo - count_hi <= CAP:
-                values, ids, filled = _gather_sorted(base, vocab, lo, hi, scratch_row, counter + 2, BLOCK, CAP)
+                values, ids, filled, _ = _gather_sorted(base, vocab, lo, hi, scratch_row, counter + 2, BLOCK, CAP)
                 weights = tl.where(filled, tl.exp((values - row_max) * inv_t), 0.0)
                 threshold = _first_reaching(values, mass_hi + tl.cumsum(weights, axis=0), p * survivors,
                                             filled, lanes, CAP)
@@ -602,16 +473,10 @@ def _sample_wide_kernel(logits, stride, out, temperatures, top_k, top_p, min_p, 
 
 def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                  min_p: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, *, cap: int = DEFAULT_CAP,
-                 block: int = DEFAULT_BLOCK, num_warps: int = DEFAULT_WARPS, chunk: int = DEFAULT_CHUNK,
-                 slots: int = DEFAULT_SLOTS, split_warps: int = DEFAULT_SPLIT_WARPS,
-                 finish_warps: int = DEFAULT_FINISH_WARPS, finish_sort: int = DEFAULT_FINISH_SORT,
-                 split_min_batch: int = SPLIT_MIN_BATCH, split_max_batch: int = SPLIT_MAX_BATCH) -> torch.Tensor:
+                 block: int = DEFAULT_BLOCK, num_warps: int = DEFAULT_WARPS) -> torch.Tensor:
     """logits [batch, vocab] fp32/bf16/fp16 (unit stride along vocab) -> token ids int64 [batch]. Per-row
     settings: temperatures f32 (0 = greedy), top_k int (>= vocab = off), top_p f32 (1 = off), min_p f32
-    (0 = off), seeds and positions int64. No host synchronisation; `cap`, `block`, `chunk`, `slots` and
-    `finish_sort` are powers of two or 0: `slots` 0 turns the split path off (every row on the per-row kernels),
-    `finish_sort` 0 sorts a split row's every candidate (else at most that many, after a count search); a batch
-    outside [`split_min_batch`, `split_max_batch`] rows takes the per-row kernels only."""
+    (0 = off), seeds and positions int64. No host synchronisation; `cap` and `block` are powers of two."""
     batch, vocab = logits.shape
     assert logits.stride(1) == 1, "logits must be contiguous along the vocabulary"
     out = torch.empty(batch, dtype=torch.int64, device=logits.device)
@@ -619,24 +484,10 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.
         return out
     scratch = torch.empty(batch, cap, dtype=torch.int64, device=logits.device)
     counters = torch.zeros(batch, 4, dtype=torch.int32, device=logits.device)  # one per gather of a row
-    settings = (temperatures, top_k, top_p, min_p, seeds, positions)
-    assert finish_sort == 0 or finish_sort >= slots, "finish_sort below slots cannot hold a top-k of slots"
-    if not split_min_batch <= batch <= split_max_batch:
-        slots = 0
-    if slots:
-        chunks = triton.cdiv(vocab, chunk)
-        keys = torch.empty(batch, chunks, slots, dtype=torch.int64, device=logits.device)
-        counts = torch.empty(batch, chunks, dtype=torch.int32, device=logits.device)
-        _sample_split_kernel[(batch, chunks)](logits, logits.stride(0), *settings, keys, counts, vocab, CHUNK=chunk,
-                                              PIVOTS=PIVOTS, SLOTS=slots, MAX_PASSES=MAX_PASSES,
-                                              num_warps=split_warps)
-        short = torch.empty(batch, max(finish_sort, 1), dtype=torch.int64, device=logits.device)
-        _sample_split_finish_kernel[(batch,)](out, *settings, keys, counts, short, vocab, chunks, SLOTS=slots,
-                                              CHUNKS=triton.next_power_of_2(chunks), SHORT=finish_sort,
-                                              PIVOTS=PIVOTS, MAX_PASSES=MAX_PASSES, num_warps=finish_warps)
-    args = (logits, logits.stride(0), out, *settings, scratch, counters, vocab)
+    args = (logits, logits.stride(0), out, temperatures, top_k, top_p, min_p, seeds, positions, scratch, counters,
+            vocab)
     config = dict(BLOCK=block, PIVOTS=PIVOTS, CAP=cap, MAX_PASSES=MAX_PASSES, num_warps=num_warps)
-    _sample_kernel[(batch,)](*args, **config, SLOTS=slots)
+    _sample_kernel[(batch,)](*args, **config)
     _sample_wide_kernel[(batch,)](*args, **config)
     return out
 

@@ -4,13 +4,10 @@ fused kernel) against the fused Triton kernel, and compute_logprobs(k=5); JSON l
     python scripts/bench_sampler.py OUT.jsonl [--batches 1 16 64 256] [--vocab 151936] [--reps 50] [--sweep]
 
 Runs from a checkout with only torch and triton installed (no engine imports). Each line: mode, batch, vocab,
-path ("torch_full_sort" | "fused_kernel" | "fused_kernel_per_row" | "fused_kernel_split" | "sample_dispatch" |
-"logprobs_k5"), median ms over `reps` CUDA-event timings, and for the kernel the fraction of rows whose token equals
-the torch path's (same seeds: expected 1.0 but for knife-edge float rounding). "fused_kernel" is `fused_sample` with
-its defaults (the split path for top-k <= slots in batches of 16 to 192 rows); "fused_kernel_per_row" the same rows
-with the split path off (slots=0), "fused_kernel_split" with it on at any batch; "sample_dispatch" what the engine's
-`sample` runs. --sweep also times the per-row kernels' (block,
-num_warps, cap) and the split path's (chunk, split_warps, finish_warps, slots, finish_sort)."""
+path ("torch_full_sort" | "fused_kernel" | "sample_dispatch" | "logprobs_k5"), median ms over `reps` CUDA-event
+timings, and for the kernel the fraction of rows whose token equals the torch path's (same seeds: expected 1.0 but
+for knife-edge float rounding). "fused_kernel" is `fused_sample` with its defaults, "sample_dispatch" what the
+engine's `sample` runs. --sweep also times the kernel at other (block, num_warps, cap) configurations."""
 from __future__ import annotations
 
 import argparse
@@ -53,12 +50,6 @@ MODES = {
 SWEEP = [(block, warps, cap) for block, warps in ((2048, 4), (4096, 4), (4096, 8), (4096, 16), (8192, 8),
                                                    (8192, 16), (8192, 32), (16384, 16), (16384, 32))
          for cap in (256, 512)]
-# the split path (top-k <= slots): (chunk, split_warps, finish_warps, slots, finish_sort)
-SPLIT_SWEEP = [(chunk, split_warps, finish_warps, slots, finish_sort)
-               for chunk, split_warps in ((2048, 4), (2048, 8), (4096, 4), (4096, 8), (4096, 16), (8192, 8),
-                                          (8192, 16), (16384, 16))
-               for finish_warps in (8, 16, 32) for slots in (64, 128) for finish_sort in (0, 256)]
-SPLIT_MODES = ("top_k_top_p",)  # the modes whose rows the split path takes
 
 
 def main() -> None:
@@ -106,25 +97,11 @@ def main() -> None:
                 emit({**base, "path": "torch_full_sort", "ms": median_cuda_ms(torch_path, args.reps)})
                 agree = (fused() == torch_path()).float().mean().item()
                 emit({**base, "path": "fused_kernel", "ms": median_cuda_ms(fused, args.reps), "agree": agree})
-                if mode in SPLIT_MODES:  # the same rows on each path alone
-                    for path, forced in (("fused_kernel_per_row", functools.partial(fused, slots=0)),
-                                         ("fused_kernel_split", functools.partial(fused, split_min_batch=1,
-                                                                                  split_max_batch=batch))):
-                        emit({**base, "path": path, "ms": median_cuda_ms(forced, args.reps),
-                              "agree": (forced() == torch_path()).float().mean().item()})
-                for chunk, split_warps, finish_warps, slots, finish_sort in (
-                        SPLIT_SWEEP if args.sweep and mode in SPLIT_MODES else ()):
-                    config = {"chunk": chunk, "split_warps": split_warps, "finish_warps": finish_warps, "slots": slots,
-                              "finish_sort": finish_sort}
-                    swept = functools.partial(fused, **config, split_min_batch=1, split_max_batch=batch)
-                    emit({**base, **config, "path": "fused_kernel_split_sweep", "ms": median_cuda_ms(swept, args.reps),
-                          "agree": (swept() == torch_path()).float().mean().item()})
                 for block, num_warps, cap in SWEEP if args.sweep and mode != "greedy" else ():
-                    config = {"block": block, "num_warps": num_warps, "cap": cap, "slots": 0}  # per-row kernels
+                    config = {"block": block, "num_warps": num_warps, "cap": cap}
                     emit({**base, **config, "path": "fused_kernel_sweep",
                           "ms": median_cuda_ms(functools.partial(fused, **config), args.reps)})
                 # what the engine runs, sample(): a torch argmax for an all-greedy batch, else the fused kernel
-                # (without its split path when no row filters)
                 emit({**base, "path": "sample_dispatch",
                       "ms": median_cuda_ms(functools.partial(sampler.sample, logits, t), args.reps)})
             scored = functools.partial(logprobs.compute_logprobs, logits, logits.argmax(dim=-1), 5)

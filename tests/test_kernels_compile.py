@@ -1,5 +1,5 @@
-"""Kernels compile for sm_90 (Hopper), even on a machine without a GPU: sampling (per-row and split paths), the
-KV store into 16-bit and FP8 caches, and the decode and prefill attention kernels reading either.
+"""Kernels compile for sm_90 (Hopper), even on a machine without a GPU: sampling, the KV store into 16-bit and
+FP8 caches, and the decode and prefill attention kernels reading either.
 
 Triton's interpreter, which runs the kernel tests on the CPU, accepts code that the compiler rejects (a module
 global that is not a constexpr, a variable whose type changes inside a branch): compiling ahead of time with
@@ -38,24 +38,8 @@ signature = dict(zip(sample_args, ["*bf16", "i32", "*i64", "*fp32", "*i64", "*fp
                                    "*i64", "*i32", "i32"]))
 signature.update(BLOCK="constexpr", PIVOTS="constexpr", CAP="constexpr", MAX_PASSES="constexpr")
 constexprs = {"BLOCK": S.DEFAULT_BLOCK, "PIVOTS": S.PIVOTS, "CAP": S.DEFAULT_CAP, "MAX_PASSES": S.MAX_PASSES}
-build(S._sample_wide_kernel, signature, constexprs, S.DEFAULT_WARPS, sample_args)
-signature.update(SLOTS="constexpr")
-for slots in (S.DEFAULT_SLOTS, 0):  # 0: the split path off
-    build(S._sample_kernel, signature, {**constexprs, "SLOTS": slots}, S.DEFAULT_WARPS, sample_args)
-settings = ["temperatures", "top_k", "top_p", "min_p", "seeds", "positions"]
-setting_types = ["*fp32", "*i64", "*fp32", "*fp32", "*i64", "*i64"]
-split_args = ["logits", "stride", *settings, "keys", "counts", "vocab"]
-signature = dict(zip(split_args, ["*bf16", "i32", *setting_types, "*i64", "*i32", "i32"]))
-signature.update(dict.fromkeys(["CHUNK", "PIVOTS", "SLOTS", "MAX_PASSES"], "constexpr"))
-build(S._sample_split_kernel, signature, {"CHUNK": S.DEFAULT_CHUNK, "PIVOTS": S.PIVOTS, "SLOTS": S.DEFAULT_SLOTS,
-                                          "MAX_PASSES": S.MAX_PASSES}, S.DEFAULT_SPLIT_WARPS, split_args)
-finish_args = ["out", *settings, "keys", "counts", "short", "vocab", "chunks"]
-signature = dict(zip(finish_args, ["*i64", *setting_types, "*i64", "*i32", "*i64", "i32", "i32"]))
-signature.update(dict.fromkeys(["SLOTS", "CHUNKS", "SHORT", "PIVOTS", "MAX_PASSES"], "constexpr"))
-for short in (S.DEFAULT_FINISH_SORT, 0):
-    build(S._sample_split_finish_kernel, signature, {"SLOTS": S.DEFAULT_SLOTS, "CHUNKS": 64, "SHORT": short,
-                                                     "PIVOTS": S.PIVOTS, "MAX_PASSES": S.MAX_PASSES},
-          S.DEFAULT_FINISH_WARPS, finish_args)
+for kernel in (S._sample_kernel, S._sample_wide_kernel):
+    build(kernel, signature, constexprs, S.DEFAULT_WARPS, sample_args)
 stats_args = ["logits", "stride", "token_ids", "out_logprob", "out_rank", "vocab"]
 signature = dict(zip(stats_args, ["*bf16", "i32", "*i64", "*fp32", "*i64", "i32"]), BLOCK="constexpr")
 build(S._logprob_stats_kernel, signature, {"BLOCK": 4096}, 8, stats_args)

@@ -40,7 +40,6 @@ def tensors(settings, vocab, seeds=None, positions=None):
 
 
 def run_kernel(logits, t, **kwargs):
-    kwargs.setdefault("split_min_batch", 1)  # the split path at these small batches too
     return fused_sample(logits, t.temperatures, t.top_k, t.top_p, t.min_p, t.seeds, t.sample_positions, **kwargs)
 
 
@@ -110,91 +109,28 @@ def test_a_row_with_every_token_banned_gets_token_0_on_every_path():
     assert run_kernel(logits, t, cap=64, block=256).tolist() == reference_sample(logits, t).tolist() == [0] * 6
 
 
-# The split path: chunks of `chunk` logits (vocab 1000 is no multiple of any), `slots` candidates per chunk; slots 0
-# turns it off. Rows with top-k > slots, temperature-only, top-p alone, min-p alone and greedy rows stay on the
-# per-row kernels.
-# finish_sort: the candidates the finish sorts after its count search (0: all of them; ties past it: all of them).
-SPLIT_CONFIGS = [dict(chunk=128, slots=64), dict(chunk=256, slots=16, finish_sort=0),
-                 dict(chunk=64, slots=8, finish_sort=16), dict(chunk=1024, slots=128, finish_sort=128)]
-
-
-@pytest.mark.parametrize("config", SPLIT_CONFIGS)
-def test_split_path_equals_torch_path_fp32(config):
-    settings = SETTINGS + [(0.9, 3, 1.0, 0.0), (1.2, 8, 0.7, 0.1), (0.4, None, 1.0, 0.0), (1.0, 64, 0.9, 0.0)]
-    logits = torch.randn(len(settings), VOCAB, generator=torch.Generator().manual_seed(config["chunk"])).mul_(2)
-    logits[-3, 999] = 30.0  # the winner in the last, partial chunk
-    t = tensors(settings, VOCAB)
-    logits = logits.to(DEVICE)
-    assert run_kernel(logits, t, cap=64, block=256, **config).tolist() == reference_sample(logits, t).tolist()
-
-
-@pytest.mark.parametrize("config", SPLIT_CONFIGS)
+@pytest.mark.parametrize("config", [dict(cap=16, block=64), dict(cap=64, block=256), dict(cap=256, block=1024)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_split_path_with_ties_banned_tokens_and_few_finite(config, dtype):
-    """Integer-valued logits: ties at the k-th value inside a chunk and across chunks (chunks whose ties overflow
-    their slots send the row to the wide kernel); banned tokens; rows with fewer finite tokens than k, with one
-    finite token, and with none."""
+def test_top_k_rows_with_ties_banned_tokens_and_few_finite(config, dtype):
+    """Integer-valued logits: ties at the k-th value (more than `cap` send the row to the wide kernel); banned
+    tokens; rows with fewer finite tokens than k, with one finite token, and with none; the top tied across the
+    row."""
     settings = [(0.8, 1, 1.0, 0.0), (0.8, 5, 1.0, 0.0), (1.0, 8, 0.9, 0.0), (1.3, 16, 0.5, 0.2), (0.7, 50, 1.0, 0.0),
                 (1.0, 64, 0.95, 0.0), (0.9, None, 1.0, 0.0), (0.9, 4, 1.0, 0.0), (0.9, 4, 0.8, 0.0),
                 (0.9, None, 1.0, 0.0), (0.9, 3, 1.0, 0.0), (0.9, None, 1.0, 0.0), (0.8, 2, 0.9, 0.05)]
     generator = torch.Generator().manual_seed(5)
     logits = torch.randint(-40, 41, (len(settings), VOCAB), generator=generator).to(torch.float32) / 4
     logits[:, 300:420] = float("-inf")
-    logits[6:8, :] = float("-inf")  # a few finite tokens, spread over chunks
+    logits[6:8, :] = float("-inf")  # a few finite tokens, spread over the row
     logits[6:8, torch.tensor([3, 250, 251, 990])] = torch.tensor([1.0, 2.0, 2.0, -1.0])
     logits[8, :] = float("-inf")
     logits[8, 700] = 0.5  # a single finite token
     logits[9:11, :] = float("-inf")  # every token banned
     logits[11, :] = 7.0  # every token tied: the noise alone decides
-    logits[12, 5:900:7] = 11.0  # the top tied across every chunk
+    logits[12, 5:900:7] = 11.0  # the top tied across the row
     t = tensors(settings, VOCAB)
     logits = logits.to(dtype).to(DEVICE)
-    assert run_kernel(logits, t, cap=32, block=256, **config).tolist() == reference_sample(logits, t).tolist()
-
-
-def test_split_chunk_overflow_goes_to_the_wide_kernel():
-    """More tokens tied at a chunk's k-th value than its slots: the split path marks the row WIDE, which the wide
-    kernel finishes (same tokens as the torch path)."""
-    from nanovllm.kernels import sampling
-
-    settings = [(0.8, 2, 1.0, 0.0), (0.8, 4, 0.9, 0.0), (0.8, 3, 1.0, 0.0)]
-    logits = torch.randn(len(settings), VOCAB, generator=torch.Generator().manual_seed(2))
-    logits[0, 10:40] = 9.0  # 30 ties at the top of chunk 0
-    logits[1, 520:560] = 9.0  # 40 in chunk 4
-    logits = logits.to(DEVICE)
-    t = tensors(settings, VOCAB)
-    chunk, slots = 128, 16
-    chunks = -(-VOCAB // chunk)
-    out = torch.full((len(settings),), -1, dtype=torch.int64, device=DEVICE)
-    keys = torch.empty(len(settings), chunks, slots, dtype=torch.int64, device=DEVICE)
-    counts = torch.empty(len(settings), chunks, dtype=torch.int32, device=DEVICE)
-    row_settings = (t.temperatures, t.top_k, t.top_p, t.min_p, t.seeds, t.sample_positions)
-    sampling._sample_split_kernel[(len(settings), chunks)](logits, VOCAB, *row_settings, keys, counts, VOCAB,
-                                                           CHUNK=chunk, PIVOTS=sampling.PIVOTS, SLOTS=slots,
-                                                           MAX_PASSES=sampling.MAX_PASSES)
-    short = torch.empty(len(settings), 32, dtype=torch.int64, device=DEVICE)
-    sampling._sample_split_finish_kernel[(len(settings),)](out, *row_settings, keys, counts, short, VOCAB, chunks,
-                                                           SLOTS=slots, CHUNKS=8, SHORT=32, PIVOTS=sampling.PIVOTS,
-                                                           MAX_PASSES=sampling.MAX_PASSES)
-    assert out.tolist()[:2] == [sampling.WIDE.value] * 2 and out[2].item() >= 0
-    expected = reference_sample(logits, t).tolist()
-    assert run_kernel(logits, t, cap=64, block=256, chunk=chunk, slots=slots).tolist() == expected
-    assert run_kernel(logits, t, cap=64, block=256, slots=0).tolist() == expected
-
-
-def test_split_path_rows_do_not_depend_on_the_batch_or_the_chunking():
-    """A row draws the same token through the split path at any chunk size, alone or in a mixed batch, and
-    through the per-row kernels (slots 0)."""
-    generator = torch.Generator().manual_seed(13)
-    settings = [SETTINGS[i] for i in range(len(SETTINGS))]
-    logits = torch.randn(len(settings), VOCAB, generator=generator).mul_(3).to(DEVICE)
-    t = tensors(settings, VOCAB)
-    per_row = run_kernel(logits, t, cap=64, block=256, slots=0).tolist()
-    for config in SPLIT_CONFIGS[:3]:
-        assert run_kernel(logits, t, cap=64, block=256, **config).tolist() == per_row
-    for row in (1, 2, 9, 12):
-        alone = tensors(settings[row:row + 1], VOCAB, t.seeds[row:row + 1].cpu(), t.sample_positions[row:row + 1].cpu())
-        assert run_kernel(logits[row:row + 1], alone, cap=64, block=256, chunk=128, slots=64).item() == per_row[row]
+    assert run_kernel(logits, t, **config).tolist() == reference_sample(logits, t).tolist()
 
 
 def test_first_kernel_finishes_every_untied_top_k_row_within_cap():
@@ -212,5 +148,26 @@ def test_first_kernel_finishes_every_untied_top_k_row_within_cap():
     counters = torch.zeros(rows, 4, dtype=torch.int32, device=DEVICE)
     sampling._sample_kernel[(rows,)](logits, VOCAB, out, t.temperatures, t.top_k, t.top_p, t.min_p, t.seeds,
                                      t.sample_positions, scratch, counters, VOCAB, BLOCK=256, PIVOTS=sampling.PIVOTS,
-                                     CAP=cap, MAX_PASSES=sampling.MAX_PASSES, SLOTS=0)
+                                     CAP=cap, MAX_PASSES=sampling.MAX_PASSES)
     assert out.tolist() == reference_sample(logits, t).tolist()
+
+
+def test_first_kernel_falls_back_to_the_search_when_lane_maxima_mislead():
+    """The first kernel's first try starts at the k-th largest per-lane maximum. Rows laid out against the
+    lanes (block 64: lane j holds ids j, j + 64, ...) make that try gather too many tokens (the top of the row
+    in one lane) or too few (every finite token in three lanes); the search over the row then finishes them."""
+    block, cap = 64, 16
+    settings = [(0.8, 2, 1.0, 0.0), (0.9, 3, 0.9, 0.0), (1.0, 8, 1.0, 0.0), (1.0, 10, 0.8, 0.0), (0.7, 5, 1.0, 0.0)]
+    logits = torch.randn(len(settings), VOCAB, generator=torch.Generator().manual_seed(4))
+    lane0 = torch.arange(0, VOCAB, block)
+    for row in (0, 1):  # 16 tokens of lane 0 above every other lane's maximum: 17 or more at the 2nd/3rd lane max
+        logits[row, lane0] = 50 + 0.1 * torch.arange(len(lane0), dtype=torch.float32)
+        logits[row, 1] = 45.0
+    for row in (2, 3):  # 48 finite tokens in lanes 0-2: the k-th lane maximum does not exist
+        finite = torch.cat([lane0, lane0 + 1, lane0 + 2])
+        values = logits[row, finite].clone()
+        logits[row] = float("-inf")
+        logits[row, finite] = values
+    logits = logits.to(DEVICE)
+    t = tensors(settings, VOCAB)
+    assert run_kernel(logits, t, cap=cap, block=block).tolist() == reference_sample(logits, t).tolist()

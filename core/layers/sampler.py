@@ -82,8 +82,6 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     if t.all_greedy:
         return logits.argmax(dim=-1)
     if _use_kernel(logits):
-        from nanovllm.kernels.sampling import DEFAULT_SLOTS, fused_sample
-        # without filtered rows no row takes the kernels' split path: skip its launches
-        return fused_sample(logits, t.temperatures, t.top_k, t.top_p, t.min_p, t.seeds, t.sample_positions,
-                            slots=DEFAULT_SLOTS if t.any_filter else 0)
+        from nanovllm.kernels.sampling import fused_sample
+        return fused_sample(logits, t.temperatures, t.top_k, t.top_p, t.min_p, t.seeds, t.sample_positions)
     return reference_sample(logits, t)
