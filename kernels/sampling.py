@@ -14,15 +14,15 @@ The rule (the torch path `nanovllm.layers.sampler.reference_sample` states it th
     `h_i = mix32(row_key ^ (i * GOLDEN))`, `row_key = mix32(mix32(mix32(seed_lo ^ SALT) ^ seed_hi) ^ position)`.
     A seeded row's token therefore depends on its logits, seed and position only, never on the batch.
 
-One program per row. How the kernels avoid sorting
-the vocabulary: after one pass for (max, finite min, softmax mass) the kernel searches the threshold of the first
-active filter (count mode for top-k, mass mode for top-p) with PIVOTS thresholds per pass over the row, narrowing
-[lo, hi) (lo satisfies the filter's target, hi does not). For a top-k of at most CAP the first kernel tries first,
-with no search pass, lo = the min(k, finite)-th largest of the stats pass's per-lane maxima (found in registers): at
-least that many tokens lie at or above it, and for logits not laid out against the lanes not many more. Once at most
-CAP tokens lie at or above lo (from that try, else from the search), it gathers them (value, id) into a per-row
-scratch, sorts those in registers and finishes every threshold and the Gumbel-max draw there: no further pass.
-Temperature-only rows take a single pass (draw over all), min-p-only rows two.
+One program per row. How the kernels avoid sorting the vocabulary: after one pass for (max, finite min, softmax
+mass) the kernel searches the threshold of the first active filter (count mode for top-k, mass mode for top-p) with
+PIVOTS thresholds per pass over the row, narrowing [lo, hi) (lo satisfies the filter's target, hi does not). For a
+top-k of at most CAP the first kernel tries first, with no search pass, a lo at or below the min(k, finite)-th
+largest of the stats pass's per-lane maxima, with at most max(k, CAP / 4) lanes at or above it (found in registers):
+at least min(k, finite) tokens lie at or above it, and for logits not laid out against the lanes not many more than
+lanes. Once at most CAP tokens lie at or above lo (from that try, else from the search), it gathers them (value, id)
+into a per-row scratch, sorts those in registers and finishes every threshold and the Gumbel-max draw there: no
+further pass. Temperature-only rows take a single pass (draw over all), min-p-only rows two.
 
 Rows with top-k > CAP or top-p without top-k, and top-k rows whose search still has more than CAP tokens at or
 above lo (ties, or MAX_PASSES), are left by that first kernel to a second one, which every other row leaves at
@@ -49,7 +49,8 @@ SALT = tl.constexpr(noise.SALT)
 # One program per row must keep its own loads in flight. The best of scripts/bench_sampler.py --sweep on the H100
 # (2026-11-25, batch 256, vocab 151,936): 4096-logit blocks over 16 warps with 512-token gathers, top-k 50 +
 # top-p 0.95 0.346 ms (8192 / 16 / 1024 before: 0.380), top-p alone 1.105 (1.248); within 0.02 ms of the best
-# configuration in every mode timed.
+# configuration in every mode timed. With the lane-maximum start (2026-11-26, H100): top-k 50 + top-p 0.95 at batch
+# 256, 0.20-0.22 ms for logits of std 1, 3 and 6 (docs/BENCHMARKS.md).
 DEFAULT_CAP = 512
 DEFAULT_BLOCK = 4096
 DEFAULT_WARPS = 16
@@ -335,10 +336,11 @@ WIDE = tl.constexpr(-2)  # the token of a row the first kernel leaves to the sec
 
 
 @triton.jit
-def _threshold_in_registers(x, target, LIMIT: tl.constexpr, PIVOTS: tl.constexpr, MAX_PASSES: tl.constexpr):
+def _threshold_in_registers(x, target, limit, PIVOTS: tl.constexpr, MAX_PASSES: tl.constexpr):
     """(lo, count of x >= lo): the count search of _search over values in registers. lo is at most the
-    target-th largest of x, so x >= lo holds its top `target` with every tie; the search stops once at most LIMIT
-    values lie at or above lo (a count above LIMIT: ties, or MAX_PASSES). No finite value: lo = +inf, count 0."""
+    target-th largest of x, so x >= lo holds its top `target` with every tie; the search stops once at most
+    `limit` (>= target) values lie at or above lo (a count above it: ties, or MAX_PASSES). No finite value:
+    lo = +inf, count 0."""
     finite = x > float("-inf")
     lo = tl.min(tl.where(finite, x, float("inf")), axis=0)
     count_lo = tl.sum(finite.to(tl.int32), axis=0)
@@ -349,7 +351,7 @@ def _threshold_in_registers(x, target, LIMIT: tl.constexpr, PIVOTS: tl.constexpr
     masses = tl.zeros([PIVOTS], dtype=tl.float32)
     lanes = tl.arange(0, PIVOTS)
     passes = 0
-    while (count_lo > LIMIT) & (lo < top) & (passes < MAX_PASSES):
+    while (count_lo > limit) & (lo < top) & (passes < MAX_PASSES):
         pivots = _pivots(lo, top, lanes, PIVOTS)
         counts = tl.sum((x[:, None] >= pivots[None, :]).to(tl.int32), axis=0)
         lo, hi, count_lo, count_hi, _, _ = _narrow(pivots, counts, masses, counts >= target, lo, hi, count_lo,
@@ -380,9 +382,12 @@ def _sample_kernel(logits, stride, out, temperatures, top_k, top_p, min_p, seeds
             if minimum_p > 0.0:
                 tau = row_max + temperature * tl.log(minimum_p)
             k_target = tl.minimum(k, finite).to(tl.float32)  # a k past the unbanned tokens keeps them all
-            # The first try starts at the k_target-th largest lane maximum, found in registers: at least k_target
-            # tokens lie at or above it, and about that many unless the logits are laid out against the lanes.
-            lo, _ = _threshold_in_registers(lane_max, k_target.to(tl.int32), CAP, PIVOTS, MAX_PASSES)
+            # The first try starts at most CAP / 4 lanes (k_target if more) down the lane maxima, found in registers:
+            # at least k_target tokens lie at or above it, and about as many as lanes unless the logits are laid
+            # out against the lanes, which leaves room under CAP. (Stopping at CAP lanes gathered more than CAP
+            # tokens for some rows: 0.21 or 0.57 ms at batch 256 depending on the logits.)
+            target = k_target.to(tl.int32)
+            lo, _ = _threshold_in_registers(lane_max, target, tl.maximum(target, CAP // 4), PIVOTS, MAX_PASSES)
             scratch_row = scratch + row * CAP
             values, ids, kept, count = _gather_sorted(base, vocab, lo, float("inf"), scratch_row, counters + row * 4,
                                                       BLOCK, CAP)
