@@ -18,11 +18,12 @@ One program per row. How the kernels avoid sorting the vocabulary: after one pas
 mass) the kernel searches the threshold of the first active filter (count mode for top-k, mass mode for top-p) with
 PIVOTS thresholds per pass over the row, narrowing [lo, hi) (lo satisfies the filter's target, hi does not). For a
 top-k of at most CAP the first kernel tries first, with no search pass, a lo at or below the min(k, finite)-th
-largest of the stats pass's per-lane maxima, with at most max(k, CAP / 4) lanes at or above it (found in registers):
-at least min(k, finite) tokens lie at or above it, and for logits not laid out against the lanes not many more than
-lanes. Once at most CAP tokens lie at or above lo (from that try, else from the search), it gathers them (value, id)
-into a per-row scratch, sorts those in registers and finishes every threshold and the Gumbel-max draw there: no
-further pass. Temperature-only rows take a single pass (draw over all), min-p-only rows two.
+largest of the stats pass's per-lane maxima, with at most max(k, CAP / 4) lanes at or above it (found in registers;
+the smallest finite logit when at most CAP are finite): when that many lanes hold a finite maximum, at least min(k,
+finite) tokens lie at or above it, and for logits not laid out against the lanes not many more than lanes. Once at
+least min(k, finite) and at most CAP tokens lie at or above lo (from that try, else from the search), it gathers
+them (value, id) into a per-row scratch, sorts those in registers and finishes every threshold and the Gumbel-max
+draw there: no further pass. Temperature-only rows take a single pass (draw over all), min-p-only rows two.
 
 Rows with top-k > CAP or top-p without top-k, and top-k rows whose search still has more than CAP tokens at or
 above lo (ties, or MAX_PASSES), are left by that first kernel to a second one, which every other row leaves at
@@ -337,10 +338,10 @@ WIDE = tl.constexpr(-2)  # the token of a row the first kernel leaves to the sec
 
 @triton.jit
 def _threshold_in_registers(x, target, limit, PIVOTS: tl.constexpr, MAX_PASSES: tl.constexpr):
-    """(lo, count of x >= lo): the count search of _search over values in registers. lo is at most the
-    target-th largest of x, so x >= lo holds its top `target` with every tie; the search stops once at most
-    `limit` (>= target) values lie at or above lo (a count above it: ties, or MAX_PASSES). No finite value:
-    lo = +inf, count 0."""
+    """lo by the count search of _search over values in registers: at most the target-th largest of x when at
+    least `target` values are finite (else the smallest finite value), so x >= lo holds its top `target` with
+    every tie; the search stops once at most `limit` (>= target) values lie at or above lo (more: ties, or
+    MAX_PASSES). No finite value: +inf."""
     finite = x > float("-inf")
     lo = tl.min(tl.where(finite, x, float("inf")), axis=0)
     count_lo = tl.sum(finite.to(tl.int32), axis=0)
@@ -358,7 +359,7 @@ def _threshold_in_registers(x, target, limit, PIVOTS: tl.constexpr, MAX_PASSES: 
                                                    count_hi, no_mass, no_mass, PIVOTS)
         top = tl.minimum(hi, top)
         passes += 1
-    return lo, count_lo
+    return lo
 
 
 @triton.jit
@@ -383,11 +384,14 @@ def _sample_kernel(logits, stride, out, temperatures, top_k, top_p, min_p, seeds
                 tau = row_max + temperature * tl.log(minimum_p)
             k_target = tl.minimum(k, finite).to(tl.float32)  # a k past the unbanned tokens keeps them all
             # The first try starts at most CAP / 4 lanes (k_target if more) down the lane maxima, found in registers:
-            # at least k_target tokens lie at or above it, and about as many as lanes unless the logits are laid
-            # out against the lanes, which leaves room under CAP. (Stopping at CAP lanes gathered more than CAP
-            # tokens for some rows: 0.21 or 0.57 ms at batch 256 depending on the logits.)
+            # when k_target lanes hold a finite maximum, at least k_target tokens lie at or above it, and about as
+            # many as lanes unless the logits are laid out against the lanes, which leaves room under CAP. (Stopping
+            # at CAP lanes gathered more than CAP tokens for some rows: 0.21 or 0.57 ms at batch 256 depending on
+            # the logits.) When every finite token fits in CAP (a row most logit controls or a grammar banned),
+            # it starts at the smallest of them.
             target = k_target.to(tl.int32)
-            lo, _ = _threshold_in_registers(lane_max, target, tl.maximum(target, CAP // 4), PIVOTS, MAX_PASSES)
+            lo = _threshold_in_registers(lane_max, target, tl.maximum(target, CAP // 4), PIVOTS, MAX_PASSES)
+            lo = tl.where(finite <= CAP, row_min, lo)
             scratch_row = scratch + row * CAP
             values, ids, kept, count = _gather_sorted(base, vocab, lo, float("inf"), scratch_row, counters + row * 4,
                                                       BLOCK, CAP)

@@ -301,7 +301,7 @@ class Scheduler:
         In-flight steps may still write into the freed blocks; they run before any later step on the device, and
         their results for `seq` are dropped (new epoch), so nothing they write is committed or hashed."""
         self.block_manager.free(seq)
-        seq.preempt()  # its grammar stays: it has accepted exactly the committed output tokens
+        seq.preempt()  # its grammar stays: it has accepted (or queued) exactly the committed output tokens
         self._num_constrained -= seq.grammar is not None
         self._running_version += 1
         self.num_preemptions += 1
