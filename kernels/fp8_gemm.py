@@ -30,6 +30,18 @@ _QUANT_CHUNK = 1024  # columns a quantization program loads at a time
 
 
 @triton.jit
+def fp8_group_scale(absmax, FP8_MAX_: tl.constexpr, MIN_AMAX_: tl.constexpr):
+    """The rule's scale of a group whose largest |x| is `absmax` (float32)."""
+    return tl.maximum(absmax, MIN_AMAX_) / FP8_MAX_
+
+
+@triton.jit
+def fp8_clamped(v, scale, FP8_MAX_: tl.constexpr):
+    """v (float32) in units of `scale`, clamped to e4m3's range: the value an FP8 store rounds."""
+    return tl.clamp(v / scale, -FP8_MAX_, FP8_MAX_)
+
+
+@triton.jit
 def _quantize_groups_kernel(x, out, scales, K, stride_xm, stride_om, num_groups, GROUP: tl.constexpr,
                             CHUNK: tl.constexpr, FP8_MAX_: tl.constexpr, MIN_AMAX_: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -41,14 +53,13 @@ def _quantize_groups_kernel(x, out, scales, K, stride_xm, stride_om, num_groups,
         ok = (c + tl.arange(0, CHUNK)) < GROUP
         v = tl.load(x + row * stride_xm + offs, mask=ok, other=0.0).to(tl.float32)
         absmax = tl.maximum(absmax, tl.abs(v))
-    scale = tl.maximum(tl.max(absmax, axis=0), MIN_AMAX_) / FP8_MAX_
+    scale = fp8_group_scale(tl.max(absmax, axis=0), FP8_MAX_, MIN_AMAX_)
     tl.store(scales + row * num_groups + group, scale)
     for c in range(0, GROUP, CHUNK):
         offs = start + c + tl.arange(0, CHUNK)
         ok = (c + tl.arange(0, CHUNK)) < GROUP
         v = tl.load(x + row * stride_xm + offs, mask=ok, other=0.0).to(tl.float32)
-        q = tl.clamp(v / scale, -FP8_MAX_, FP8_MAX_)
-        tl.store(out + row * stride_om + offs, q.to(out.dtype.element_ty), mask=ok)
+        tl.store(out + row * stride_om + offs, fp8_clamped(v, scale, FP8_MAX_).to(out.dtype.element_ty), mask=ok)
 
 
 def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:

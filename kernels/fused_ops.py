@@ -7,6 +7,11 @@
 
 Each rounds where the torch layers round (the normalised value is cast to the activation dtype before the weight
 multiplies it, rotary works in float32), so the two paths differ only in the order of a float32 sum.
+
+`rms_norm` and `silu_and_mul` can also quantize their output for the FP8 linear it feeds (`quantize=True`):
+per token, by the rule of fp8_gemm.quantize_groups applied to the value they would have stored, so the FP8
+bytes and scale are those the separate quantization kernel would make (one launch and one round trip of the
+activation less per projection). The result is then an `Fp8Activation`.
 """
 from __future__ import annotations
 
@@ -14,12 +19,30 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.fp8_gemm import fp8_clamped, fp8_group_scale, quantize_groups
 from nanovllm.kernels.pdl import await_previous_kernel, pdl_launch_args
+from nanovllm.layers.fp8 import FP8_DTYPE, FP8_MAX, MIN_AMAX, Fp8Activation
+
+FP8_MAX_ = tl.constexpr(FP8_MAX)
+MIN_AMAX_ = tl.constexpr(MIN_AMAX)
+
+
+def _outputs(x: torch.Tensor, width: int, quantize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output buffer of a [tokens, width] result, and its per-token scales (quantized) or a stand-in."""
+    if not quantize:
+        return torch.empty(x.shape[0], width, dtype=x.dtype, device=x.device), x
+    return (torch.empty(x.shape[0], width, dtype=FP8_DTYPE, device=x.device),
+            torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device))
+
+
+def _result(out: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, quantize: bool):
+    return Fp8Activation(out, scales, dtype) if quantize else out
 
 
 @triton.jit
-def _rms_norm_kernel(x, residual, weight, out, residual_out, stride_x, stride_r, stride_o, stride_ro, hidden, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _rms_norm_kernel(x, residual, weight, out, out_scales, residual_out, stride_x, stride_r, stride_o, stride_ro,
+                     hidden, eps, HAS_RESIDUAL: tl.constexpr, QUANTIZE: tl.constexpr, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):
     await_previous_kernel(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -30,24 +53,31 @@ def _rms_norm_kernel(x, residual, weight, out, residual_out, stride_x, stride_r,
         tl.store(residual_out + token * stride_ro + cols, values, mask=mask)
     upcast = values.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(upcast * upcast, axis=0) / hidden + eps)
-    scale = tl.load(weight + cols, mask=mask, other=0.0)
-    tl.store(out + token * stride_o + cols, (upcast * rstd).to(values.dtype) * scale, mask=mask)
+    normed = (upcast * rstd).to(values.dtype) * tl.load(weight + cols, mask=mask, other=0.0)
+    if QUANTIZE:  # the value the unquantized kernel would store, then the rule
+        normed = normed.to(values.dtype).to(tl.float32)
+        scale = fp8_group_scale(tl.max(tl.abs(normed), axis=0), FP8_MAX_, MIN_AMAX_)
+        tl.store(out_scales + token, scale)
+        normed = fp8_clamped(normed, scale, FP8_MAX_)
+    tl.store(out + token * stride_o + cols, normed.to(out.dtype.element_ty), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """x: [tokens, hidden]. Without `residual`: norm(x). With it: (norm(x + residual), x + residual)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             quantize: bool = False):
+    """x: [tokens, hidden]. Without `residual`: norm(x). With it: (norm(x + residual), x + residual).
+    `quantize`: norm(x) as an Fp8Activation (see the module doc)."""
     hidden = x.shape[-1]
     assert x.stride(-1) == 1 and weight.is_contiguous()
-    out = torch.empty_like(x)
-    residual_out = torch.empty_like(x) if residual is not None else out
+    out, scales = _outputs(x, hidden, quantize)
+    residual_out = torch.empty_like(x) if residual is not None else x  # unwritten when there is no residual
     source = residual if residual is not None else x  # unread when there is no residual
     if x.shape[0]:
         _rms_norm_kernel[(x.shape[0],)](
-            x, source, weight, out, residual_out, x.stride(0), source.stride(0), out.stride(0),
-            residual_out.stride(0), hidden, eps, HAS_RESIDUAL=residual is not None,
+            x, source, weight, out, scales, residual_out, x.stride(0), source.stride(0), out.stride(0),
+            residual_out.stride(0), hidden, eps, HAS_RESIDUAL=residual is not None, QUANTIZE=quantize,
             BLOCK=triton.next_power_of_2(hidden), num_warps=4 if hidden <= 2048 else 8, **pdl_launch_args(x))
-    return out if residual is None else (out, residual_out)
+    normed = _result(out, scales, x.dtype, quantize)
+    return normed if residual is None else (normed, residual_out)
 
 
 @triton.jit
@@ -107,25 +137,62 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_
 
 
 @triton.jit
-def _silu_and_mul_kernel(x, out, stride_x, stride_o, width, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    await_previous_kernel(PDL)
-    token = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+def _silu_mul(x, token, stride_x, width, cols):
+    """silu(gate) * up at columns `cols` of one token, in the activation dtype, and the columns' mask."""
     mask = cols < width
     gate = tl.load(x + token * stride_x + cols, mask=mask, other=0.0)
     up = tl.load(x + token * stride_x + width + cols, mask=mask, other=0.0)
     g = gate.to(tl.float32)
-    tl.store(out + token * stride_o + cols, (g / (1.0 + tl.exp(-g))).to(gate.dtype) * up, mask=mask)
+    return (g / (1.0 + tl.exp(-g))).to(gate.dtype) * up, mask
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x: [tokens, 2 * width] = gate | up -> silu(gate) * up: [tokens, width]."""
+@triton.jit
+def _silu_and_mul_kernel(x, out, stride_x, stride_o, width, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    await_previous_kernel(PDL)
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    product, mask = _silu_mul(x, token, stride_x, width, cols)
+    tl.store(out + token * stride_o + cols, product, mask=mask)
+
+
+@triton.jit
+def _silu_and_mul_quantize_kernel(x, out, out_scales, stride_x, stride_o, width, BLOCK: tl.constexpr,
+                                  PDL: tl.constexpr):
+    """One program per token, the whole row (BLOCK >= width) held: its largest |product| is known before the
+    store."""
+    await_previous_kernel(PDL)
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    product, mask = _silu_mul(x, token, stride_x, width, cols)
+    product = product.to(tl.float32)
+    scale = fp8_group_scale(tl.max(tl.abs(product), axis=0), FP8_MAX_, MIN_AMAX_)
+    tl.store(out_scales + token, scale)
+    quantized = fp8_clamped(product, scale, FP8_MAX_)
+    tl.store(out + token * stride_o + cols, quantized.to(out.dtype.element_ty), mask=mask)
+
+
+# The widest row (padded to a power of two) the quantizing SiLU-and-mul holds in one program: Qwen3-8B's 12288
+# columns take 16384. A wider row is computed by the plain kernel and quantized by `quantize_groups`: a program
+# per token making two passes over it measured slower than those two kernels (docs/BENCHMARKS.md, 2026-11-26
+# session 4).
+QUANTIZE_ROW_MAX = 16384
+
+
+def silu_and_mul(x: torch.Tensor, quantize: bool = False):
+    """x: [tokens, 2 * width] = gate | up -> silu(gate) * up: [tokens, width]; `quantize`: as an Fp8Activation
+    (see the module doc)."""
     num_tokens, packed = x.shape
     width = packed // 2
     assert x.stride(-1) == 1
-    out = torch.empty(num_tokens, width, dtype=x.dtype, device=x.device)
-    block = min(triton.next_power_of_2(width), 1024)
-    if num_tokens:
+    row = triton.next_power_of_2(width)
+    if quantize and row > QUANTIZE_ROW_MAX:
+        return Fp8Activation(*quantize_groups(silu_and_mul(x), width), x.dtype)
+    out, scales = _outputs(x, width, quantize)
+    if num_tokens and quantize:
+        _silu_and_mul_quantize_kernel[(num_tokens,)](x, out, scales, x.stride(0), out.stride(0), width, BLOCK=row,
+                                                     num_warps=min(16, max(4, row // 1024)), **pdl_launch_args(x))
+    elif num_tokens:
+        block = min(row, 1024)
         _silu_and_mul_kernel[(num_tokens, triton.cdiv(width, block))](x, out, x.stride(0), out.stride(0), width,
                                                                         BLOCK=block, **pdl_launch_args(x))
-    return out
+    return _result(out, scales, x.dtype, quantize)

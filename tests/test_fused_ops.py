@@ -11,8 +11,11 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
+from nanovllm.kernels import fused_ops
+from nanovllm.kernels.fp8_gemm import quantize_groups
 from nanovllm.kernels.fused_ops import qk_norm_rope, rms_norm, silu_and_mul
 from nanovllm.layers.activation import SiluAndMul
+from nanovllm.layers.fp8 import FP8_DTYPE, Fp8Activation
 from nanovllm.layers.norm import RMSNorm
 from nanovllm.layers.rotary import RotaryEmbedding
 
@@ -84,6 +87,40 @@ def test_silu_and_mul(dtype, width):
     close(silu_and_mul(x), SiluAndMul()(x))
 
 
+def same_as_separate_quantization(fused, unquantized: torch.Tensor) -> None:
+    """A quantized output is what quantize_groups makes of the unquantized one, byte for byte."""
+    assert isinstance(fused, Fp8Activation) and fused.dtype == unquantized.dtype
+    values, scales = quantize_groups(unquantized, unquantized.shape[1])
+    assert fused.values.dtype == FP8_DTYPE and fused.scales.shape == (unquantized.shape[0], 1)
+    assert torch.equal(fused.scales, scales)
+    assert torch.equal(fused.values.view(torch.uint8), values.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 96])
+def test_rms_norm_quantized_output(dtype, hidden):
+    weight = randn(hidden, dtype=torch.float32, seed=1).to(dtype) * 0.3 + 1
+    x, residual = randn(7, hidden, dtype=dtype, seed=2) * 3, randn(7, hidden, dtype=dtype, seed=3)
+    x[2] = 0  # a zero row (no residual): scale floored, values zero
+    same_as_separate_quantization(rms_norm(x, weight, 1e-6, quantize=True), rms_norm(x, weight, 1e-6))
+    fused, fused_residual = rms_norm(x, weight, 1e-6, residual, quantize=True)
+    out, new_residual = rms_norm(x, weight, 1e-6, residual)
+    same_as_separate_quantization(fused, out)
+    assert torch.equal(fused_residual, new_residual)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("width", "row_max"), [
+    (48, None), (2500, None),  # one pass: the row in one block (2500: padded to 4096)
+    (2500, 1024),  # a row wider than row_max: the plain kernel, then quantize_groups
+])
+def test_silu_and_mul_quantized_output(dtype, width, row_max, monkeypatch):
+    if row_max is not None:
+        monkeypatch.setattr(fused_ops, "QUANTIZE_ROW_MAX", row_max)
+    x = randn(3, 2 * width, dtype=dtype, seed=7) * 4
+    same_as_separate_quantization(silu_and_mul(x, quantize=True), silu_and_mul(x))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_real_shapes_qwen3_0_6b(dtype):
@@ -107,9 +144,10 @@ def test_real_shapes_qwen3_0_6b(dtype):
     close(k, ref_k)
 
 
-@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-llama", "tiny-qwen2"])  # q/k norm or not, biases
-def test_whole_model_with_fused_ops_matches_the_torch_layers(preset):
-    """The wiring: every fused call site gets the right weights, eps and layout, for each model family."""
+def tiny_model_logits(preset: str, fused_variants, prepare=None) -> list[torch.Tensor]:
+    """The logits of one 40-token prompt through the preset's model built once per entry of `fused_variants`
+    (its fused_ops), all with the same dummy weights (norm weights made distinct); `prepare(model)` runs on each
+    model after loading."""
     import json
 
     from conftest import PRESETS
@@ -131,7 +169,7 @@ def test_whole_model_with_fused_ops_matches_the_torch_layers(preset):
         block_tables=torch.arange(num_blocks, dtype=torch.int32, device=DEVICE)[None], max_query_len=num_tokens,
         max_seq_len=num_tokens)
     logits, weights = [], None
-    for fused in (False, True):
+    for fused in fused_variants:
         with torch.device(DEVICE):
             model = LlamaForCausalLM(config, fused_ops=fused)
         if weights is None:
@@ -142,6 +180,8 @@ def test_whole_model_with_fused_ops_matches_the_torch_layers(preset):
                     param.data = (1 + 0.3 * torch.randn(param.shape, generator=gen)).to(param)
             weights = model.state_dict()
         model.load_state_dict(weights)
+        if prepare is not None:
+            prepare(model)
         for layer in model.attention_layers():
             layer.k_cache, layer.v_cache = torch.zeros(2, num_blocks, block_size, config.num_key_value_heads,
                                                        head_dim_of(config), device=DEVICE).unbind(0)
@@ -149,4 +189,75 @@ def test_whole_model_with_fused_ops_matches_the_torch_layers(preset):
         with torch.inference_mode():
             logits.append(model.compute_logits(model(ids.to(DEVICE), torch.arange(num_tokens, device=DEVICE),
                                                      meta)))
-    close(logits[1], logits[0])
+    return logits
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-llama", "tiny-qwen2"])  # q/k norm or not, biases
+def test_whole_model_with_fused_ops_matches_the_torch_layers(preset):
+    """The wiring: every fused call site gets the right weights, eps and layout, for each model family."""
+    unfused, fused = tiny_model_logits(preset, (False, True))
+    close(fused, unfused)
+
+
+def test_fp8_linears_take_the_quantized_outputs_of_the_fused_kernels(monkeypatch):
+    """Under quantization="fp8" the input norm feeds q|k|v, the post-attention norm gate|up and SiLU-and-mul
+    down already quantized; the logits are those of the same FP8 model quantizing each input separately, bit
+    for bit. (On the CPU the separate path is made to run the same interpreted kernels: the torch reference
+    rounds to FP8 correctly, the interpreter not always; test_fp8_kernel.py covers that.)"""
+    from nanovllm.layers import fp8 as fp8_module
+
+    if DEVICE.type == "cpu":
+        def separately_quantized(x, weight, scale, block, bias):
+            return fp8_module.fp8_linear(Fp8Activation(*quantize_groups(x, x.shape[1]), x.dtype), weight, scale,
+                                         block, bias)
+
+        monkeypatch.setattr(fp8_module, "reference_linear", separately_quantized)
+    scheme = fp8_module.Fp8Scheme(block=None, in_checkpoint=False, name="fp8")
+    marked = {}
+
+    def quantize_weights(model, fuse=True):
+        fp8_module.finish_fp8(model, scheme)
+        marked[fuse] = {name for name, m in model.named_modules() if getattr(m, "quantize_output", False)}
+        if not fuse:
+            for m in model.modules():
+                if getattr(m, "quantize_output", False):
+                    m.quantize_output = False
+
+    fused, separate = (tiny_model_logits("tiny-qwen3", (True,), prepare=lambda m, f=fuse: quantize_weights(m, f))[0]
+                       for fuse in (True, False))
+    layers = range(2)
+    assert marked[True] == {f"model.layers.{i}.{name}" for i in layers
+                            for name in ("input_layernorm", "post_attention_layernorm", "mlp.act")}
+    assert torch.equal(fused, separate)
+
+
+ONE_INPUT = ("input_layernorm",)
+DENSE = ("input_layernorm", "post_attention_layernorm", "mlp.act")
+
+
+@pytest.mark.parametrize(("family", "quantizing"), [
+    # layer 1 is dense (mlp_only_layers); the others route on the post-attention norm's output
+    ("tiny-qwen3-moe", {0: ONE_INPUT, 1: DENSE, 2: ONE_INPUT}),
+    # sandwich norms: the MLP reads the pre-feedforward norm; GELU has no kernel, so down quantizes for itself
+    ("gemma2", {i: ("input_layernorm", "pre_feedforward_layernorm") for i in range(4)}),
+    ("phi3-longrope", {i: DENSE for i in range(4)}),
+])
+def test_which_kernels_quantize_for_their_fp8_linear(family, quantizing):
+    """`fuse_activation_quantization` flags a module only where its output feeds one per-channel FP8 linear and
+    nothing else, in each family's decoder."""
+    import json
+
+    from conftest import ARCH_CONFIGS, PRESETS
+    from transformers import AutoConfig
+
+    from nanovllm.layers import fp8 as fp8_module
+    from nanovllm.models.registry import model_class_for
+
+    fields = ARCH_CONFIGS[family] if family in ARCH_CONFIGS else json.loads((PRESETS / f"{family}.json").read_text())
+    config = AutoConfig.for_model(**fields)
+    model = model_class_for(config)(config, fused_ops=True)
+    for _, layer in fp8_module.fp8_layers(model):
+        layer.fp8 = fp8_module.Fp8Scheme(block=None, in_checkpoint=False, name="fp8")
+    fp8_module.fuse_activation_quantization(model)
+    flagged = {name for name, m in model.named_modules() if getattr(m, "quantize_output", False)}
+    assert flagged == {f"model.layers.{i}.{name}" for i, names in quantizing.items() for name in names}

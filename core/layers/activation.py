@@ -13,11 +13,13 @@ class GeluTanhAndMul(nn.Module):
 
 
 class SiluAndMul(nn.Module):
-    """silu(gate) * up for the packed [gate | up] projection; `fused`: one Triton kernel (CUDA)."""
+    """silu(gate) * up for the packed [gate | up] projection; `fused`: one Triton kernel (CUDA).
+    `quantize_output` (set by layers/fp8.py where this feeds one FP8 linear): the kernel returns an Fp8Activation."""
 
     def __init__(self, fused: bool = False):
         super().__init__()
         self.kernel = None
+        self.quantize_output = False
         if fused:  # imported only when used: the CPU path needs no Triton
             from nanovllm.kernels.fused_ops import silu_and_mul
 
@@ -25,6 +27,6 @@ class SiluAndMul(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
-            return self.kernel(x)
+            return self.kernel(x, self.quantize_output)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

@@ -2,7 +2,8 @@
 
 A weight is float8_e4m3fn with float32 scales, w ≈ q * scale, in one of two layouts (`Fp8Scheme.block`):
 - per output channel: `weight_scale` [N, 1], one scale per row (quantization="fp8" on a bf16/fp16 checkpoint,
-  quantized after loading; compressed-tensors `channel` checkpoints);
+  quantized after loading, each row's scale the least-squared-error one of `WEIGHT_SCALE_SEARCH` tries;
+  compressed-tensors `channel` checkpoints);
 - block-scaled: `weight_scale` [N / bn, K / bk], one per bn x bk tile (HF `fp8` checkpoints with
   `weight_block_size`, whose tensor is named `weight_scale_inv`: it multiplies, as here).
 Activations are quantized on the fly: per token (per channel) or per token and bk-column group (block-scaled).
@@ -18,13 +19,16 @@ scales its own slice of the row (the per-row maximum of its shard), which is at 
 On CUDA (compute capability >= 8.9) the matmul runs on FP8 tensor cores: per-channel through cuBLASLt
 (`torch._scaled_mm` with row-wise scales) above `TRITON_MAX_ROWS` rows and through the Triton kernel
 (kernels/fp8_gemm.py) at or below it (without fused ops, on cuBLASLt at every size); block-scaled always through
-the Triton kernel. The activations are always quantized by a Triton kernel. On the CPU a reference
+the Triton kernel. The activations are quantized by a Triton kernel: by the fused RMSNorm or SiLU-and-mul
+that makes them where the model pairs it with the linear (`fuse_activation_quantization`), else by one of their
+own (kernels/fp8_gemm.py `quantize_groups`), by the same rule. On the CPU a reference
 computes the same rule in float32: activations quantized and dequantized as on the GPU, the weight dequantized.
 """
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -34,6 +38,10 @@ from nanovllm.distributed import tp_size
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 MIN_AMAX = 1e-10  # the smallest max(|x|) a scale is computed from: a zero group gets a finite scale
+# Weights quantized at load try this many scales per row (`quantize`'s search): on SmolLM2-135M's real weights it
+# took the perplexity ratio of FP8 weights + KV from 1.0356 to 1.0274 (H100, bf16; docs/FP8.md).
+WEIGHT_SCALE_SEARCH = 16
+SEARCH_CHUNK = 1 << 24  # weight elements a scale search tries at once (its float32 temporaries: 64 MiB each)
 # Per-channel FP8 projections with at most this many rows (tokens) run on the Triton kernel, larger ones on
 # cuBLASLt: at Qwen3-8B's projections on the H100 Triton was faster at 1, 16 and 64 rows, even at 32 and slower
 # from 128 (scripts/bench_fp8_gemm.py, docs/BENCHMARKS.md 2026-11-25).
@@ -51,17 +59,52 @@ class Fp8Scheme:
     name: str
 
 
-def quantize(t: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """t [N, K] -> (float8_e4m3fn [N, K], float32 scales [N / bn, K / bk]) with one scale per bn x bk tile:
-    scale = max(|tile|) / 448, q = clamp(t / scale, ±448). (1, K): per row; (1, g): per row and g-column group."""
+class Fp8Activation(NamedTuple):
+    """An activation quantized per token by the kernel that made it (kernels/fused_ops.py, `quantize=True`), for
+    the per-channel FP8 linear it feeds: `values` float8 [M, K], `scales` float32 [M, 1], `dtype` the model dtype
+    it stands for (the linear's output dtype)."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    dtype: torch.dtype
+
+
+def quantize(t: torch.Tensor, block: tuple[int, int],
+             scale_search: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """t [N, K] -> (float8_e4m3fn [N, K], float32 scales [N / bn, K / bk]) with one scale per bn x bk tile,
+    q = clamp(t / scale, ±448). (1, K): per row; (1, g): per row and g-column group.
+
+    scale_search = 1: scale = max(|tile|) / 448 (the activations' rule, computed on the fly). n > 1 (the weights,
+    quantized once at load): each tile tries the n scales max(|tile|) / 448 * 2^(j / n), j < n, one octave above
+    the max (no value clips, and every alignment of e4m3's grid on the tile's values), and keeps the one of least
+    squared error; ties keep the smaller scale."""
     n, k = t.shape
     bn, bk = block
     if n % bn or k % bk:
         raise ValueError(f"a [{n}, {k}] tensor does not divide into {bn} x {bk} scale blocks")
     tiles = t.float().reshape(n // bn, bn, k // bk, bk)
-    scale = tiles.abs().amax(dim=(1, 3)).clamp(min=MIN_AMAX) / FP8_MAX
-    q = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q.reshape(n, k), scale
+    scale = tiles.abs().amax(dim=(1, 3), keepdim=True).clamp(min=MIN_AMAX) / FP8_MAX
+    if scale_search > 1:  # a few rows of tiles at a time: the tries' float32 temporaries stay small
+        rows = max(1, SEARCH_CHUNK // tiles[0].numel())
+        scale = torch.cat([_least_error_scale(part, base, scale_search)
+                           for part, base in zip(tiles.split(rows), scale.split(rows))])
+    q = (tiles / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.reshape(n, k), scale[:, 0, :, 0]
+
+
+def _least_error_scale(tiles: torch.Tensor, base: torch.Tensor, tries: int) -> torch.Tensor:
+    """Per tile of `tiles` [rows, bn, cols, bk], the scale base * 2^(j / tries), j < tries, whose rounding leaves
+    the least squared error (the first of equals)."""
+    scale, best_error = base, None
+    for j in range(tries):
+        candidate = base * 2 ** (j / tries)
+        rounded = (tiles / candidate).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float() * candidate
+        error = (rounded - tiles).square().sum(dim=(1, 3), keepdim=True)
+        if best_error is not None:
+            better = error < best_error
+            scale, error = torch.where(better, candidate, scale), torch.where(better, error, best_error)
+        best_error = error
+    return scale
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -94,23 +137,28 @@ def _scaled_mm_rowwise(device_index: int | None) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
-               bias: torch.Tensor | None, triton_max_rows: int = TRITON_MAX_ROWS) -> torch.Tensor:
-    """y = x W^T (+ b) for an FP8 weight [N, K] and its scales; x: [M, K] in the model dtype. Per channel on
-    CUDA, batches of more than `triton_max_rows` rows go to cuBLASLt where it takes them (bf16 output, Hopper,
-    N and K multiples of 16)."""
-    if not x.is_cuda:
+def fp8_linear(x: torch.Tensor | Fp8Activation, weight: torch.Tensor, scale: torch.Tensor,
+               block: tuple[int, int] | None, bias: torch.Tensor | None,
+               triton_max_rows: int = TRITON_MAX_ROWS) -> torch.Tensor:
+    """y = x W^T (+ b) for an FP8 weight [N, K] and its scales; x: [M, K] in the model dtype, or already quantized
+    per token (per-channel weights only). Per channel on CUDA, batches of more than `triton_max_rows` rows go to
+    cuBLASLt where it takes them (bf16 output, Hopper, N and K multiples of 16)."""
+    if isinstance(x, Fp8Activation):
+        xq, xs, dtype = x
+    elif not x.is_cuda:
         return reference_linear(x, weight, scale, block, bias)
-    from nanovllm.kernels.fp8_gemm import fp8_gemm, quantize_groups
+    else:
+        from nanovllm.kernels.fp8_gemm import quantize_groups
 
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    xq, xs = quantize_groups(x, activation_group(block, x.shape[1]))
-    if (block is None and x.shape[0] > triton_max_rows and x.dtype == torch.bfloat16
-            and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0 and _scaled_mm_rowwise(x.device.index)):
-        out = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale.view(1, -1), out_dtype=x.dtype)
+        xq, xs = quantize_groups(x if x.stride(-1) == 1 else x.contiguous(), activation_group(block, x.shape[1]))
+        dtype = x.dtype
+    from nanovllm.kernels.fp8_gemm import fp8_gemm
+
+    if (block is None and xq.shape[0] > triton_max_rows and dtype == torch.bfloat16
+            and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0 and _scaled_mm_rowwise(xq.device.index)):
+        out = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale.view(1, -1), out_dtype=dtype)
         return out + bias if bias is not None else out
-    return fp8_gemm(xq, xs, weight, scale, block, bias, x.dtype)
+    return fp8_gemm(xq, xs, weight, scale, block, bias, dtype)
 
 
 def fp8_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -168,14 +216,26 @@ def prepare_fp8(model: nn.Module, scheme: Fp8Scheme) -> None:
 @torch.no_grad()
 def finish_fp8(model: nn.Module, scheme: Fp8Scheme) -> None:
     """After loading: quantize the weights loaded in the model dtype, one layer at a time (each layer's
-    model-dtype copy is freed as soon as it is quantized)."""
-    if scheme.in_checkpoint:
-        return
-    for _, layer in fp8_layers(model):
-        weight = layer.weight
-        block = scheme.block or (1, weight.shape[1])
-        _scale_shape(layer, scheme.block, tuple(weight.shape))  # the same divisibility error as from a checkpoint
-        q, scale = quantize(weight, block)
-        _replace_weight(layer, q)
-        layer.weight_scale = nn.Parameter(scale, requires_grad=False)
-        layer.fp8 = scheme
+    model-dtype copy is freed as soon as it is quantized); then let fused kernels quantize for their linears."""
+    if not scheme.in_checkpoint:
+        for _, layer in fp8_layers(model):
+            weight = layer.weight
+            block = scheme.block or (1, weight.shape[1])
+            _scale_shape(layer, scheme.block, tuple(weight.shape))  # the same divisibility error as from a checkpoint
+            q, scale = quantize(weight, block, WEIGHT_SCALE_SEARCH)
+            _replace_weight(layer, q)
+            layer.weight_scale = nn.Parameter(scale, requires_grad=False)
+            layer.fp8 = scheme
+    fuse_activation_quantization(model)
+
+
+def fuse_activation_quantization(model: nn.Module) -> None:
+    """Where a module's output feeds one per-channel FP8 linear and nothing else, and the module is a fused kernel
+    (its `kernel`, CUDA) that can quantize (`quantize_output`), it hands that linear an `Fp8Activation` instead of
+    a tensor the linear quantizes in a launch of its own. The models name those pairs: a module's
+    `fp8_input_pairs()` lists (producer, the linear it feeds)."""
+    for module in model.modules():
+        for producer, linear in module.fp8_input_pairs() if hasattr(module, "fp8_input_pairs") else ():
+            if (linear.fp8 is not None and linear.fp8.block is None and getattr(producer, "kernel", None) is not None
+                    and hasattr(producer, "quantize_output")):
+                producer.quantize_output = True

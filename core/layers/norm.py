@@ -6,6 +6,8 @@ from torch import nn
 
 class RMSNorm(nn.Module):
     """`fused`: one Triton kernel (residual add included) instead of the torch ops below; 2-D inputs on CUDA.
+    `quantize_output` (set by layers/fp8.py where this norm feeds one FP8 linear): the kernel returns the normed
+    value as an Fp8Activation.
 
     `unit_offset` (Gemma): the checkpoint stores w and the scale is 1 + w. The loader adds the 1, so the weight
     held here is always the scale itself and every path (torch, fused kernels) multiplies by it unchanged."""
@@ -14,6 +16,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.kernel = None
+        self.quantize_output = False
         if fused:  # imported only when used: the CPU path needs no Triton
             from nanovllm.kernels.fused_ops import rms_norm
 
@@ -33,7 +36,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without `residual`: norm(x). With it: (norm(x + residual), x + residual), the pre-norm block's pair."""
         if self.kernel is not None:
-            return self.kernel(x, self.weight, self.eps, residual)
+            return self.kernel(x, self.weight, self.eps, residual, self.quantize_output)
         if residual is None:
             return self._norm(x)
         x = x + residual

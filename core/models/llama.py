@@ -141,6 +141,10 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
+    def fp8_input_pairs(self) -> list[tuple[nn.Module, nn.Module]]:
+        """(module, the one linear its output feeds): layers/fp8.py `fuse_activation_quantization`."""
+        return [(self.act, self.down_proj)]
+
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, spec: DecoderSpec, layer: int, fused: bool, mlp: nn.Module | None = None):
@@ -172,6 +176,15 @@ class LlamaDecoderLayer(nn.Module):
             return self.post_feedforward_layernorm(self.mlp(hidden)), residual
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
+
+    def fp8_input_pairs(self) -> list[tuple[nn.Module, nn.Module]]:
+        """(module, the one linear its output feeds): layers/fp8.py `fuse_activation_quantization`. The norm
+        before the MLP feeds only gate|up where the MLP is the dense one (an MoE block also routes on it)."""
+        pairs = [(self.input_layernorm, self.self_attn.qkv_proj)]
+        if isinstance(self.mlp, LlamaMLP):
+            pairs.append((self.pre_feedforward_layernorm if self.sandwich else self.post_attention_layernorm,
+                          self.mlp.gate_up_proj))
+        return pairs
 
 
 class LlamaModel(nn.Module):
