@@ -199,6 +199,11 @@ def test_whole_model_with_fused_ops_matches_the_torch_layers(preset):
     close(fused, unfused)
 
 
+# The modules that quantize for their FP8 linear in a decoder layer: a dense one, and one whose MLP routes
+ONE_INPUT = ("input_layernorm",)
+DENSE = ("input_layernorm", "post_attention_layernorm", "mlp.act")
+
+
 def test_fp8_linears_take_the_quantized_outputs_of_the_fused_kernels(monkeypatch):
     """Under quantization="fp8" the input norm feeds q|k|v, the post-attention norm gate|up and SiLU-and-mul
     down already quantized; the logits are those of the same FP8 model quantizing each input separately, bit
@@ -225,14 +230,8 @@ def test_fp8_linears_take_the_quantized_outputs_of_the_fused_kernels(monkeypatch
 
     fused, separate = (tiny_model_logits("tiny-qwen3", (True,), prepare=lambda m, f=fuse: quantize_weights(m, f))[0]
                        for fuse in (True, False))
-    layers = range(2)
-    assert marked[True] == {f"model.layers.{i}.{name}" for i in layers
-                            for name in ("input_layernorm", "post_attention_layernorm", "mlp.act")}
+    assert marked[True] == {f"model.layers.{i}.{name}" for i in range(2) for name in DENSE}
     assert torch.equal(fused, separate)
-
-
-ONE_INPUT = ("input_layernorm",)
-DENSE = ("input_layernorm", "post_attention_layernorm", "mlp.act")
 
 
 @pytest.mark.parametrize(("family", "quantizing"), [
