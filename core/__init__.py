@@ -3,8 +3,9 @@
 The public surface is `__all__`: tools such as `nanovllm_cli` use nothing else (tests/test_public_api.py)."""
 from nanovllm.engine.dry_run import KVCachePlan, PrefixCacheReplay, block_hashes, plan_kv_cache
 from nanovllm.engine.info import CostModel, EngineInfo
-from nanovllm.engine.llm_engine import LLM, CompletionOutput, RequestOutput, StepFailedError
+from nanovllm.engine.llm_engine import LLM, StepFailedError
 from nanovllm.engine.logprob_records import Logprob, PositionLogprobs
+from nanovllm.engine.outputs import CompletionOutput, RequestOutput
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.structured.params import StructuredOutputsParams, from_response_format
 from nanovllm.tokenization import PromptTokenizer

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.layers.fp8 import FP8_DTYPE, FP8_MAX, MIN_AMAX
+from nanovllm.kernels.fp8_formats import FP8_DTYPE, FP8_MAX, MIN_AMAX
 
 _QUANT_CHUNK = 1024  # columns a quantization program loads at a time
 

@@ -19,9 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.fp8_formats import FP8_DTYPE, FP8_MAX, MIN_AMAX, Fp8Activation
 from nanovllm.kernels.fp8_gemm import fp8_clamped, fp8_group_scale, quantize_groups
 from nanovllm.kernels.pdl import await_previous_kernel, pdl_launch_args
-from nanovllm.layers.fp8 import FP8_DTYPE, FP8_MAX, MIN_AMAX, Fp8Activation
 
 FP8_MAX_ = tl.constexpr(FP8_MAX)
 MIN_AMAX_ = tl.constexpr(MIN_AMAX)
@@ -173,8 +173,7 @@ def _silu_and_mul_quantize_kernel(x, out, out_scales, stride_x, stride_o, width,
 
 # The widest row (padded to a power of two) the quantizing SiLU-and-mul holds in one program: Qwen3-8B's 12288
 # columns take 16384. A wider row is computed by the plain kernel and quantized by `quantize_groups`: a program
-# per token making two passes over it measured slower than those two kernels (docs/BENCHMARKS.md, 2026-11-26
-# session 4).
+# per token making two passes over it measured slower than those two kernels on the H100 (docs/BENCHMARKS.md).
 QUANTIZE_ROW_MAX = 16384
 
 

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.attention.kv_quant import fp8_max
+from nanovllm.kernels.fp8_formats import fp8_max
 from nanovllm.kernels.pdl import await_previous_kernel, pdl_launch_args
 
 

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.layers import noise
+from nanovllm.kernels import noise
 
 # jit functions read module globals only as constexpr
 MIX_A = tl.constexpr(noise.MIX_A)

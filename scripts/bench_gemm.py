@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from nanovllm.kernels.skinny_gemm import WORKSPACE_FLOATS, SkinnyConfig, choose_config, skinny_linear
 from nanovllm.loaders.resolve import resolve_model
-from nanovllm.models.llama import head_dim_of
+from nanovllm.models.geometry import head_dim_of
 from nanovllm_cli.roofline import measure_ceilings
 
 

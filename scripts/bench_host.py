@@ -60,7 +60,7 @@ def main() -> None:
         if args.skip_forward:
             t3 = t4 = time.perf_counter()
             tokens = [0] * len(batch)
-            runner._last.sampled = torch.zeros(len(batch), dtype=torch.int64, device=runner.device)
+            runner.persistent.last_sampled = torch.zeros(len(batch), dtype=torch.int64, device=runner.device)
         else:
             handle = runner.execute(inputs)
             t3 = time.perf_counter()

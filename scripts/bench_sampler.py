@@ -81,7 +81,7 @@ def main() -> None:
             logits = logits.to(torch.bfloat16)
             for mode in args.modes:
                 temperature, top_k, top_p, min_p = MODES[mode]
-                t = sampler.SamplingTensors(
+                t = types.SimpleNamespace(  # the sampler reads these fields (layers/sampler.py SamplingSettings)
                     temperatures=torch.full((batch,), temperature, device=device),
                     top_k=torch.full((batch,), args.vocab if top_k is None else top_k, dtype=torch.int64,
                                      device=device),

@@ -135,7 +135,7 @@ def test_inflight_prefill_chunks_are_never_rescheduled():
     assert seq.num_pending_tokens == 1
     fourth = sched.schedule()  # decode of the token step 3 samples: a pending input
     assert (fourth.start_positions, fourth.num_new_tokens, fourth.pending_inputs) == ([20], [1], [0])
-    assert seq.num_pending_tokens == 2 and seq.num_effective_tokens == 22
+    assert seq.num_pending_tokens == 2 and len(seq.token_ids) + seq.num_pending_tokens == 22
     sched.postprocess(second, [0])
     sched.postprocess(third, [77])
     assert seq.output_token_ids == [77] and seq.num_pending_tokens == 1 and seq.num_computed_tokens == 20

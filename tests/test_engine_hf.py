@@ -99,7 +99,7 @@ def test_architectures_match_hf_under_preemption(arch, arch_model_dirs, arch_ref
     from transformers import AutoConfig
 
     from nanovllm.kv_groups import plan_kv_groups
-    from nanovllm.models.llama import layer_windows
+    from nanovllm.models.geometry import layer_windows
 
     config = AutoConfig.from_pretrained(str(arch_model_dirs[arch]))
     groups = plan_kv_groups(layer_windows(config))
@@ -113,7 +113,7 @@ def test_architectures_match_hf_under_preemption(arch, arch_model_dirs, arch_ref
 def test_window_spanning_the_whole_context_is_no_window():
     from transformers import AutoConfig
 
-    from nanovllm.models.llama import layer_windows
+    from nanovllm.models.geometry import layer_windows
 
     config = AutoConfig.for_model("phi3", num_hidden_layers=2, max_position_embeddings=4096, sliding_window=4096)
     assert layer_windows(config) == (None, None)

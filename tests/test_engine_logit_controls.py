@@ -122,9 +122,9 @@ def test_out_of_vocab_token_ids_are_rejected_by_field(engines):
 def test_rows_release_their_controls(engines):
     llm = engines["sync"]
     llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=3, repetition_penalty=1.5, logit_bias={3: 1.0}))
-    assert llm._runner.controls.num_rows > 0  # rows are released with the next batch
+    assert llm._runner.persistent.controls.num_rows > 0  # rows are released with the next batch
     llm.generate([[5]], SamplingParams(temperature=0, max_tokens=2))
-    assert llm._runner.controls.num_rows == 0 and not llm._runner.controls._entries
+    assert llm._runner.persistent.controls.num_rows == 0 and not llm._runner.persistent.controls._entries
 
 
 @pytest.fixture(scope="module")

@@ -117,7 +117,7 @@ def test_rows_without_logprobs_carry_none(tiny_model_dirs):
     llm = LLM(str(tiny_model_dirs["qwen3"]), max_model_len=256, num_kv_blocks=64)
     output = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4))[0]
     assert output.logprobs is None and output.prompt_logprobs is None and output.cumulative_logprob is None
-    assert llm._runner.rows.num_asking == 0
+    assert llm._runner.persistent.rows.num_asking == 0
 
 
 @pytest.mark.parametrize("field, value", [("logprobs", MAX_LOGPROBS + 1), ("logprobs", -1), ("prompt_logprobs", 1.5),

@@ -27,7 +27,8 @@ from nanovllm.layers import fp8 as fp8_module
 from nanovllm.layers import linear as linear_module
 from nanovllm.layers.fp8 import FP8_DTYPE, Fp8Scheme, dequantize, quantize, reference_linear
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from nanovllm.loaders import load_weights
+from nanovllm.loaders import fp8_weights, load_weights
+from nanovllm.loaders.fp8_weights import prepare_fp8
 from nanovllm.loaders.quantization import fp8_scheme
 from nanovllm.loaders.resolve import ResolvedModel, resolve_model
 from nanovllm.models.registry import model_class_for
@@ -111,12 +112,12 @@ def test_fp8_linear_matches_fp32_linear(block):
 
 def _shard_layers(make, world, monkeypatch):
     """One layer per rank of a `world`-way tensor-parallel group (rank and size patched where linear.py and
-    fp8.py read them)."""
+    fp8_weights.py read them)."""
     layers = []
     for rank in range(world):
         monkeypatch.setattr(linear_module, "tp_size", lambda: world)
         monkeypatch.setattr(linear_module, "tp_rank", lambda rank=rank: rank)
-        monkeypatch.setattr(fp8_module, "tp_size", lambda: world)
+        monkeypatch.setattr(fp8_weights, "tp_size", lambda: world)
         layers.append(make())
     return layers
 
@@ -197,7 +198,7 @@ class _Holder(torch.nn.Module):
 
 
 def _prepared(layer, scheme):
-    fp8_module.prepare_fp8(_Holder(layer), scheme)
+    prepare_fp8(_Holder(layer), scheme)
     return layer
 
 

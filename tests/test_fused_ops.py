@@ -12,10 +12,10 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from nanovllm.kernels import fused_ops
+from nanovllm.kernels.fp8_formats import FP8_DTYPE, Fp8Activation
 from nanovllm.kernels.fp8_gemm import quantize_groups
 from nanovllm.kernels.fused_ops import qk_norm_rope, rms_norm, silu_and_mul
 from nanovllm.layers.activation import SiluAndMul
-from nanovllm.layers.fp8 import FP8_DTYPE, Fp8Activation
 from nanovllm.layers.norm import RMSNorm
 from nanovllm.layers.rotary import RotaryEmbedding
 
@@ -156,7 +156,8 @@ def tiny_model_logits(preset: str, fused_variants, prepare=None) -> list[torch.T
     from nanovllm.attention.metadata import AttentionMetadata
     from nanovllm.attention.torch_backend import TorchAttentionBackend
     from nanovllm.loaders import load_dummy_weights
-    from nanovllm.models.llama import LlamaForCausalLM, head_dim_of
+    from nanovllm.models.geometry import head_dim_of
+    from nanovllm.models.llama import LlamaForCausalLM
 
     config = AutoConfig.for_model(**json.loads((PRESETS / f"{preset}.json").read_text()))
     num_tokens, block_size = 40, 16
@@ -210,6 +211,7 @@ def test_fp8_linears_take_the_quantized_outputs_of_the_fused_kernels(monkeypatch
     for bit. (On the CPU the separate path is made to run the same interpreted kernels: the torch reference
     rounds to FP8 correctly, the interpreter not always; test_fp8_kernel.py covers that.)"""
     from nanovllm.layers import fp8 as fp8_module
+    from nanovllm.loaders.fp8_weights import finish_fp8
 
     if DEVICE.type == "cpu":
         def separately_quantized(x, weight, scale, block, bias):
@@ -221,7 +223,7 @@ def test_fp8_linears_take_the_quantized_outputs_of_the_fused_kernels(monkeypatch
     marked = {}
 
     def quantize_weights(model, fuse=True):
-        fp8_module.finish_fp8(model, scheme)
+        finish_fp8(model, scheme)
         marked[fuse] = {name for name, m in model.named_modules() if getattr(m, "quantize_output", False)}
         if not fuse:
             for m in model.modules():
@@ -249,14 +251,15 @@ def test_which_kernels_quantize_for_their_fp8_linear(family, quantizing):
     from conftest import ARCH_CONFIGS, PRESETS
     from transformers import AutoConfig
 
-    from nanovllm.layers import fp8 as fp8_module
+    from nanovllm.layers.fp8 import Fp8Scheme
+    from nanovllm.loaders.fp8_weights import fp8_layers, fuse_activation_quantization
     from nanovllm.models.registry import model_class_for
 
     fields = ARCH_CONFIGS[family] if family in ARCH_CONFIGS else json.loads((PRESETS / f"{family}.json").read_text())
     config = AutoConfig.for_model(**fields)
     model = model_class_for(config)(config, fused_ops=True)
-    for _, layer in fp8_module.fp8_layers(model):
-        layer.fp8 = fp8_module.Fp8Scheme(block=None, in_checkpoint=False, name="fp8")
-    fp8_module.fuse_activation_quantization(model)
+    for _, layer in fp8_layers(model):
+        layer.fp8 = Fp8Scheme(block=None, in_checkpoint=False, name="fp8")
+    fuse_activation_quantization(model)
     flagged = {name for name, m in model.named_modules() if getattr(m, "quantize_output", False)}
     assert flagged == {f"model.layers.{i}.{name}" for i, names in quantizing.items() for name in names}

@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from nanovllm.attention.kv_quant import dequantize, is_fp8, quantize
+from nanovllm.attention.kv_quant import dequantize, quantize
 from nanovllm.attention.metadata import AttentionMetadata
 from nanovllm.attention.torch_backend import TorchAttentionBackend, paged_attention
 from nanovllm.attention.triton_backend import TritonAttentionBackend
@@ -23,6 +23,7 @@ from nanovllm.kernels.decode_attention import (
     choose_num_splits,
     paged_decode_attention,
 )
+from nanovllm.kernels.fp8_formats import is_fp8
 from nanovllm.kernels.kv_cache import store_kvcache
 from nanovllm.kernels.prefill_attention import PrefillConfig, paged_prefill_attention
 

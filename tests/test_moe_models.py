@@ -14,7 +14,8 @@ from nanovllm.attention.metadata import AttentionMetadata
 from nanovllm.attention.torch_backend import TorchAttentionBackend
 from nanovllm.layers.moe import SparseMoeBlock
 from nanovllm.loaders import load_dummy_weights, load_safetensors_weights
-from nanovllm.models.llama import LlamaMLP, head_dim_of
+from nanovllm.models.geometry import head_dim_of
+from nanovllm.models.llama import LlamaMLP
 from nanovllm.models.registry import MODEL_CLASSES, model_class_for
 
 MOE_PRESETS = ["tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-mixtral"]

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.layers.noise import gumbel_noise
-from nanovllm.layers.sampler import SamplingTensors, reference_sample, sample
+from nanovllm.kernels.noise import gumbel_noise
+from nanovllm.layers.sampler import reference_sample, sample
+from nanovllm.runner.inputs import SamplingTensors
 
 LOGITS = [2.0, 1.5, 1.2, 0.3, 0.0, -0.5, -1.0, -3.0]
 

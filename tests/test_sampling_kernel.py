@@ -13,7 +13,8 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from nanovllm.kernels.sampling import fused_sample  # noqa: E402
-from nanovllm.layers.sampler import SamplingTensors, reference_sample  # noqa: E402
+from nanovllm.layers.sampler import reference_sample  # noqa: E402
+from nanovllm.runner.inputs import SamplingTensors  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 VOCAB = 1000

@@ -5,7 +5,8 @@ import torch
 from helpers import make_seq
 
 from nanovllm.runner.cuda_graphs import batch_size_ladder
-from nanovllm.runner.step_buffers import DeviceBlockTables, Field, SequenceRows, StepBuffers
+from nanovllm.runner.persistent_batch import DeviceBlockTables, SequenceRows
+from nanovllm.runner.step_buffers import Field, StepBuffers
 
 VOCAB = 100
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from nanovllm.kernels.fp8_formats import fp8_max, is_fp8
+
 FP8_KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 KV_CACHE_DTYPES = ("auto", *FP8_KV_CACHE_DTYPES)
 # FP8 conversions need the tensor cores' FP8 support (Ada, Hopper and later) in the Triton kernels.
@@ -19,15 +21,6 @@ MIN_FP8_CAPABILITY = (8, 9)
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     """The cache's element type: the model's for "auto", else the named FP8 type."""
     return model_dtype if name == "auto" else FP8_KV_CACHE_DTYPES[name]
-
-
-def is_fp8(dtype: torch.dtype) -> bool:
-    return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
-def fp8_max(dtype: torch.dtype) -> float:
-    """The largest finite value of `dtype` (the saturation bound of the store), 0.0 for a non-FP8 type."""
-    return torch.finfo(dtype).max if is_fp8(dtype) else 0.0
 
 
 def check_fp8_kv_supported(name: str, device: torch.device) -> None:

@@ -88,10 +88,6 @@ class BlockManager:
         """Logical blocks (one per group each) that hold `num_tokens` tokens."""
         return -(-num_tokens // self.block_size)
 
-    def capacity(self, seq: Sequence) -> int:
-        """Tokens `seq`'s table has slots for."""
-        return len(seq.block_table) // self.num_groups * self.block_size
-
     # ---- prefix lookup and allocation -------------------------------------------------------------------
 
     def match_prefix(self, seq: Sequence) -> list[int]:
@@ -269,16 +265,13 @@ class BlockManager:
 
     # ---- hashing as blocks fill ----------------------------------------------------------------------------
 
-    def commit_computed_blocks(self, seq: Sequence, num_known_tokens: int | None = None) -> None:
-        """Hash every block of `seq` whose tokens are all computed (prefill chunks and decode alike).
-
-        `num_known_tokens` caps what counts as computed (the async loop passes the committed count).
-        """
+    def commit_computed_blocks(self, seq: Sequence) -> None:
+        """Hash every block of `seq` whose tokens are all computed and committed (prefill chunks and decode
+        alike)."""
         if not self.enable_prefix_caching:
             return
-        limit = seq.num_computed_tokens if num_known_tokens is None else num_known_tokens
         groups, table = self.num_groups, seq.block_table
-        num_full = min(limit // self.block_size, len(table) // groups)
+        num_full = min(seq.num_computed_tokens // self.block_size, len(table) // groups)
         prefix_hash = seq.hashed_prefix
         for index in range(seq.num_hashed_blocks, num_full):
             token_ids = seq.token_ids[index * self.block_size:(index + 1) * self.block_size]

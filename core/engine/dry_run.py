@@ -12,7 +12,7 @@ from nanovllm.engine.block_manager import NO_HASH, BlockManager, compute_block_h
 from nanovllm.engine.sequence import Sequence
 from nanovllm.kv_groups import plan_kv_groups
 from nanovllm.loaders import resolve_model
-from nanovllm.models.llama import kv_block_bytes, layer_windows
+from nanovllm.models.geometry import kv_block_bytes, layer_windows
 from nanovllm.models.registry import model_class_for
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.tokenization import PromptTokenizer

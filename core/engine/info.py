@@ -3,17 +3,12 @@ read instead of the engine's parts (runner, block manager, scheduler), which are
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from nanovllm.distributed import tp_size
 from nanovllm.models.costs import WeightCosts, weight_costs
-from nanovllm.models.llama import head_dim_of, kv_block_bytes, kv_heads_per_rank
-from nanovllm.runner.cuda_graphs import batch_size_ladder
-
-if TYPE_CHECKING:
-    from nanovllm.engine.llm_engine import LLM
+from nanovllm.models.geometry import head_dim_of, kv_block_bytes, kv_heads_per_rank
 
 
 @dataclass(frozen=True)
@@ -69,28 +64,3 @@ def model_costs(hf_config, model: torch.nn.Module, kv_cache_dtype: torch.dtype) 
                         hf_config.num_hidden_layers)
     attention = 4 * hf_config.num_hidden_layers * hf_config.num_attention_heads // tp_size() * head_dim_of(hf_config)
     return CostModel(kv, attention, weight_costs(model))
-
-
-def engine_info(llm: LLM) -> EngineInfo:
-    runner, config = llm._runner, llm.config
-    return EngineInfo(
-        model=llm.model_name, vocab_size=llm.hf_config.vocab_size, device=str(runner.device),
-        dtype=str(runner.dtype).removeprefix("torch."),
-        kv_cache_dtype=str(runner.kv_cache_dtype).removeprefix("torch."), tensor_parallel_size=config.tensor_parallel_size,
-        attention_backend=runner.attention_backend, max_model_len=llm.max_model_len,
-        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-        block_size=config.block_size, num_kv_blocks=runner.num_kv_blocks,
-        kv_block_bytes=runner.kv_block_bytes,
-        max_batch_size=runner.max_batch_size, decode_batch_sizes=tuple(batch_size_ladder(runner.max_batch_size)),
-        cuda_graphs=runner.graphs is not None, prefix_caching=config.enable_prefix_caching,
-        quantization=runner.fp8.name if runner.fp8 is not None else None,
-        costs=model_costs(llm.hf_config, runner.model, runner.kv_cache_dtype))
-
-
-def engine_report(llm: LLM) -> dict:
-    """The step statistics since the start or `reset_stats`, the KV-cache metrics, and token counters that
-    move every step (finished requests alone say nothing of progress inside long ones)."""
-    stats = llm.stats
-    # Every decode token yields one output token; a request's first output token comes from its prefill.
-    tokens = {"prefill": stats.prefill_tokens, "generated": stats.decode_tokens + stats.requests}
-    return {"steps": llm.get_stats(), "kv_cache": llm.get_metrics(), "tokens": tokens}

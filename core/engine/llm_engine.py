@@ -6,13 +6,12 @@ import random
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from nanovllm.config import EngineConfig
 from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.info import EngineInfo, engine_info, engine_report
-from nanovllm.engine.logprob_records import PositionLogprobs, TokenTexts, output_logprobs
+from nanovllm.engine.info import EngineInfo, model_costs
+from nanovllm.engine.outputs import OutputAssembler, RequestOutput
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.stats import EngineStats
@@ -29,47 +28,6 @@ if TYPE_CHECKING:
     from nanovllm.structured import GrammarCompileCache
 
 
-@dataclass
-class CompletionOutput:
-    """One completion of a prompt (vLLM's shape); a request with `n` > 1 has n of them."""
-
-    index: int
-    text: str | None
-    token_ids: list[int]
-    cumulative_logprob: float | None
-    logprobs: PositionLogprobs | None  # a sequence of {token id: Logprob}, as RequestOutput.logprobs
-    finish_reason: str | None
-    stop_reason: int | str | None
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    text: str | None  # None when the model has no tokenizer
-    token_ids: list[int]
-    finish_reason: str | None  # "stop" | "length" | "error"
-    num_prompt_tokens: int
-    num_cached_tokens: int  # prompt tokens served by the prefix cache
-    error: str | None = None
-    invalid_request: bool = False  # the error is the request's fault (HTTP 400), not the engine's (500)
-    # Structured outputs: whether the output is a complete match of the constraint (None: unconstrained). False
-    # when it was cut (max_tokens, a stop string): the text may not parse.
-    structured_complete: bool | None = None
-    arrival_time: float | None = None
-    first_token_time: float | None = None
-    finish_time: float | None = None
-    # Only for a request that asked (SamplingParams.logprobs / prompt_logprobs), in vLLM's shape: per token a
-    # {token id: Logprob} of the top k and the chosen token, built on access; prompt_logprobs[0] is None.
-    logprobs: PositionLogprobs | None = None
-    prompt_logprobs: PositionLogprobs | None = None
-    cumulative_logprob: float | None = None
-    stop_reason: int | str | None = None  # the stop token id or stop string that ended it; None for EOS or length
-    # Every completion (n of them; best first when best_of chose them). The fields above are outputs[0]'s.
-    outputs: list[CompletionOutput] = field(default_factory=list)
-
-
 class StepFailedError(RuntimeError):
     """A step raised. Every unfinished request was aborted (`request_ids`: they get no output; add them again to
     rerun them). `engine_usable`: the engine is back in a clean state and takes new requests; otherwise it must be
@@ -81,15 +39,6 @@ class StepFailedError(RuntimeError):
                          f"aborted; {what})")
         self.request_ids = request_ids
         self.engine_usable = engine_usable
-
-
-@dataclass
-class _Group:
-    """The sequences of one request with n / best_of > 1, and those finished so far."""
-
-    params: SamplingParams
-    seqs: list[Sequence]
-    finished: list[Sequence]
 
 
 class LLM:
@@ -105,16 +54,15 @@ class LLM:
         self.hf_config = resolved.hf_config
         self.prompts = PromptTokenizer.for_model(resolved)
         self.tokenizer = self.prompts.tokenizer
-        self._token_texts = TokenTexts(self.tokenizer) if self.tokenizer is not None else None
+        self._outputs = OutputAssembler(self.tokenizer)
         self.max_model_len = self._max_model_len()
         self._workers = start_workers(self.config, resolved, self.max_model_len)  # tensor-parallel ranks 1..N-1
         try:
             with self._workers.guard() if self._workers else nullcontext():  # a worker's error, not a broken collective
-                self._runner = ModelRunner(self.config, resolved, self.max_model_len)
+                self._runner = ModelRunner(self.config, resolved, self.max_model_len, sorted(self._eos_token_ids()))
         except BaseException:
             self.exit()
             raise
-        self._runner.controls.eos_token_ids = sorted(self._eos_token_ids())  # min_tokens bans them
         self._block_manager = BlockManager(self._runner.num_kv_blocks, self.config.block_size,
                                            self.config.enable_prefix_caching, windows=self._runner.kv_groups.windows)
         self._scheduler = Scheduler(self._block_manager, self.config.max_num_seqs,
@@ -125,7 +73,6 @@ class LLM:
                               self._new_stats(), self.config.async_scheduling)
         self._seed_rng = random.Random(self.config.seed)
         self._seq_ids = itertools.count()
-        self._groups: dict[str, _Group] = {}  # request id -> its completions, for n / best_of > 1
         self._broken: str | None = None  # why a failed step left the engine unable to run
 
     def _max_model_len(self) -> int:
@@ -188,7 +135,7 @@ class LLM:
             child.bad_words_token_ids = seq.bad_words_token_ids
             seqs.append(child)
         if count > 1:
-            self._groups[seq.request_id] = _Group(user_params, seqs, [])
+            self._outputs.add_group(user_params, seqs)
         for s in seqs:
             if params.structured_outputs is not None:  # compiles in the background; admission waits for it
                 s.grammar_future = self.grammar_compile_cache().request(params.structured_outputs)
@@ -234,21 +181,12 @@ class LLM:
             finished = self._loop.step()
         except TPWorkerError:  # the workers are stopped: the engine cannot run again, and this says why
             self._loop.abort_all()
-            self._groups.clear()
+            self._outputs.clear()
             raise
         except Exception as exc:  # noqa: BLE001 - whatever it was, no half-done step may stay behind
             raise self._abort_after(exc) from exc
         detokenize_started = time.perf_counter()
-        outputs = []
-        for seq in finished:
-            group = self._groups.get(seq.request_id)
-            if group is None:
-                outputs.append(self._output(seq))
-                continue
-            group.finished.append(seq)
-            if len(group.finished) == len(group.seqs):
-                del self._groups[seq.request_id]
-                outputs.append(self._group_output(group))
+        outputs = self._outputs.assemble(finished, self.stats)
         ended = time.perf_counter()
         self.stats.detokenize_s += ended - detokenize_started
         self.stats.record_interval(started, ended)
@@ -256,7 +194,7 @@ class LLM:
 
     def _abort_after(self, failure: Exception) -> StepFailedError:
         request_ids = list(dict.fromkeys(seq.request_id for seq in self._loop.abort_all()))
-        self._groups.clear()
+        self._outputs.clear()
         self._broken = "tensor-parallel workers may be mid-step" if self._workers else self._runner.device_error()
         if self._broken:
             self._broken = f"a step failed ({type(failure).__name__}: {failure}) and {self._broken}"
@@ -294,64 +232,30 @@ class LLM:
     @property
     def info(self) -> EngineInfo:
         """What this engine is: model, device, dtype, KV cache, batch limits and a roofline cost model."""
-        return engine_info(self)
+        runner, config = self._runner, self.config
+        return EngineInfo(
+            model=self.model_name, vocab_size=self.hf_config.vocab_size, device=str(runner.device),
+            dtype=str(runner.dtype).removeprefix("torch."),
+            kv_cache_dtype=str(runner.kv_cache_dtype).removeprefix("torch."),
+            tensor_parallel_size=config.tensor_parallel_size, attention_backend=runner.attention_backend,
+            max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens, block_size=config.block_size,
+            num_kv_blocks=runner.num_kv_blocks, kv_block_bytes=runner.kv_block_bytes,
+            max_batch_size=runner.max_batch_size, decode_batch_sizes=runner.decode_batch_sizes,
+            cuda_graphs=runner.graphs is not None, prefix_caching=config.enable_prefix_caching,
+            quantization=runner.fp8.name if runner.fp8 is not None else None,
+            costs=model_costs(self.hf_config, runner.model, runner.kv_cache_dtype))
 
     def report(self) -> dict:
         """`get_stats()`, `get_metrics()` and live token counters in one dict: {"steps", "kv_cache", "tokens"}."""
-        return engine_report(self)
+        stats = self.stats
+        # Every decode token yields one output token; a request's first output token comes from its prefill.
+        tokens = {"prefill": stats.prefill_tokens, "generated": stats.decode_tokens + stats.requests}
+        return {"steps": self.get_stats(), "kv_cache": self.get_metrics(), "tokens": tokens}
 
     def get_stats(self) -> dict:
         """Timing and throughput of the steps run since the engine started or `reset_stats`."""
         return self.stats.summary()
-
-    def _output(self, seq: Sequence) -> RequestOutput:
-        seq.finish_time = time.perf_counter()
-        self.stats.record_finished(seq.num_prompt_tokens, seq.num_output_tokens, seq.arrival_time,
-                                   seq.first_token_time, seq.finish_time)
-        text = seq.stop_text
-        if text is None and self.tokenizer is not None:
-            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
-        logprobs = prompt_logprobs = None
-        if seq.output_logprobs is not None or seq.prompt_logprob_spans is not None:
-            logprobs, prompt_logprobs = output_logprobs(seq, self._token_texts)
-        completion = CompletionOutput(seq.completion_index, text, seq.output_token_ids, seq.cumulative_logprob,
-                                      logprobs, seq.finish_reason, seq.stop_reason)
-        return RequestOutput(
-            request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens],
-            text=text, token_ids=seq.output_token_ids, finish_reason=seq.finish_reason,
-            num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_prefix_hit_tokens or 0,
-            error=seq.error, invalid_request=seq.invalid_request, arrival_time=seq.arrival_time,
-            first_token_time=seq.first_token_time, finish_time=seq.finish_time,
-            structured_complete=None if seq.grammar_future is None else self._structured_complete(seq, text),
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs, cumulative_logprob=seq.cumulative_logprob,
-            stop_reason=seq.stop_reason, outputs=[completion])
-
-    def _structured_complete(self, seq: Sequence, text: str | None) -> bool:
-        """Whether the output's text is a complete match of its constraint: the grammar is complete and no stop
-        string cut the text short of what the grammar accepted."""
-        if seq.grammar is None or not seq.grammar.is_completed():
-            return False
-        if seq.stop_text is None or self.tokenizer is None:
-            return True
-        return text == self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
-
-    def _group_output(self, group: _Group) -> RequestOutput:
-        """One output for the n completions of a request: in index order, or the n of highest cumulative
-        logprob, best first, under best_of."""
-        seqs = sorted(group.finished, key=lambda s: s.completion_index)
-        if len(seqs) > group.params.n:
-            seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[:group.params.n]
-        outputs = [self._output(seq) for seq in seqs]
-        completions = [o.outputs[0] for o in outputs]
-        for index, c in enumerate(completions):
-            c.index = index
-        if group.params.logprobs is None:  # asked only to rank best_of
-            for c in completions:
-                c.logprobs = c.cumulative_logprob = None
-        first = outputs[0]
-        return dataclasses.replace(first, text=completions[0].text, token_ids=completions[0].token_ids,
-                                   logprobs=completions[0].logprobs,
-                                   cumulative_logprob=completions[0].cumulative_logprob, outputs=completions)
 
     # ---- batch API -----------------------------------------------------------------------------------------------
 

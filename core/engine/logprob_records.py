@@ -17,10 +17,9 @@ from typing import overload
 
 import numpy as np
 
-from nanovllm.batch import ScheduledBatch
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.layers.logprobs import TokenLogprobs
-from nanovllm.runner.logprob_step import StepLogprobs
+from nanovllm.step_types import ScheduledBatch, StepLogprobs
 
 
 @dataclass(slots=True)

@@ -6,13 +6,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from nanovllm.batch import ScheduledBatch
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.logprob_records import record_step_logprobs
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.engine.stop_strings import StopStringDetector
 from nanovllm.kv_groups import max_blocks_held
-from nanovllm.runner.logprob_step import StepLogprobs
+from nanovllm.step_types import ScheduledBatch, StepLogprobs
 
 if TYPE_CHECKING:
     from nanovllm.structured import RowGrammar

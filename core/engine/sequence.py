@@ -99,11 +99,6 @@ class Sequence:
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
 
-    @property
-    def num_effective_tokens(self) -> int:
-        """Tokens the sequence has once every in-flight step's sample is appended."""
-        return len(self.token_ids) + self.num_pending_tokens
-
     def start_step(self, num_new_tokens: int, samples: bool) -> None:
         """A step was scheduled that computes `num_new_tokens` more and, when `samples`, draws a token."""
         self.num_inflight_tokens += num_new_tokens

@@ -2,20 +2,22 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
-from nanovllm.batch import ScheduledBatch
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.stats import EngineStats
-from nanovllm.runner.inputs import StepHandle
-from nanovllm.runner.model_runner import ModelRunner
-from nanovllm.runner.tp_workers import TPRunner
+from nanovllm.step_types import ScheduledBatch, StepHandle, StepRunner
 
 
 @dataclass
 class LaunchedStep:
+    """A step on the device: its batch, and either its handle (sampling launched) or, for a step with constrained
+    rows, its launched forward, whose sampling waits for the masks (`handle` None until then)."""
+
     batch: ScheduledBatch
-    handle: StepHandle
+    handle: StepHandle | None
+    forward: Any
     schedule_s: float
     prepare_s: float
     execute_s: float
@@ -33,10 +35,10 @@ class StepLoop:
     A step with structured-output rows is launched in two halves: the forward, then (once the matchers have
     accepted every earlier step's token) the masks are filled and sampling is launched. The accepts run between
     the halves, while the device runs the forward: postprocess defers those of the rows that go on, and the async
-    loop also completes the step in flight there. Steps without such rows are launched whole, as before
+    loop also finishes the step in flight there. Steps without such rows are launched whole
     (docs/STRUCTURED_OUTPUTS.md)."""
 
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner | TPRunner, stats: EngineStats, overlap: bool):
+    def __init__(self, scheduler: Scheduler, runner: StepRunner, stats: EngineStats, overlap: bool):
         self.scheduler = scheduler
         self.runner = runner
         self.stats = stats
@@ -49,57 +51,67 @@ class StepLoop:
     def step(self) -> list[Sequence]:
         """One iteration; returns the sequences that finished in it. The last in-flight step drains on the
         iteration after the scheduler runs dry."""
+        batch, schedule_s = self._schedule()
+        launched = self._launch(batch, schedule_s) if batch else None
         finished: list[Sequence] = []
-        launched = self._launch(finished)
+        if launched is not None and launched.handle is None:
+            if self.in_flight is not None:  # its tokens are what this step's masks depend on
+                finished += self._finish(self.in_flight)
+                self.in_flight = None
+            self._fill_masks_and_sample(launched)
         if self.overlap:
-            done, self.in_flight = self.in_flight, launched
+            previous, self.in_flight = self.in_flight, launched
         else:
-            done = launched
-        return finished + self._complete(done) if done else finished
+            previous = launched
+        if previous is not None:
+            finished += self._finish(previous)
+        return finished
 
     def abort_all(self) -> list[Sequence]:
         """Forget the step in flight (its tokens are never committed) and drop every unfinished sequence."""
         self.in_flight = None
         return self.scheduler.abort_all()
 
-    def _launch(self, finished: list[Sequence]) -> LaunchedStep | None:
-        """Schedule, prepare and launch a step; a step completed on the way (see the class) adds its finished
-        sequences to `finished`."""
-        t0 = time.perf_counter()
+    def _schedule(self) -> tuple[ScheduledBatch | None, float]:
+        started = time.perf_counter()
         preemptions_before = self.scheduler.num_preemptions
         batch = self.scheduler.schedule()
         self.stats.preemptions += self.scheduler.num_preemptions - preemptions_before
-        t1 = time.perf_counter()
-        if not batch:
-            if self.in_flight is None:  # only constraints still compiling could be waiting: no spinning
-                self.scheduler.wait_for_compile()
-            return None
-        inputs = self.runner.prepare(batch)
-        t2 = time.perf_counter()
-        if not batch.grammars:
-            handle = self.runner.execute(inputs)
-            t3 = time.perf_counter()
-            return LaunchedStep(batch, handle, t1 - t0, t2 - t1, t3 - t2)
-        forward = self.runner.launch_forward(inputs)
-        forward_s = time.perf_counter() - t2
-        if self.in_flight is not None:  # its tokens are what the masks of this step depend on
-            finished += self._complete(self.in_flight)
-            self.in_flight = None
-        t3 = time.perf_counter()
-        self.scheduler.accept_deferred()
-        handle = self.runner.launch_sample(forward, self.runner.fill_masks(batch))
-        return LaunchedStep(batch, handle, t1 - t0, t2 - t1, forward_s + time.perf_counter() - t3)
+        if not batch and self.in_flight is None:  # only constraints still compiling could be waiting: no spinning
+            self.scheduler.wait_for_compile()
+        return batch or None, time.perf_counter() - started
 
-    def _complete(self, step: LaunchedStep) -> list[Sequence]:
-        t0 = time.perf_counter()
+    def _launch(self, batch: ScheduledBatch, schedule_s: float) -> LaunchedStep:
+        """Prepare the step's inputs and launch it: whole, or only its forward when it has constrained rows."""
+        started = time.perf_counter()
+        inputs = self.runner.prepare(batch)
+        prepared = time.perf_counter()
+        if batch.grammars:
+            handle, forward = None, self.runner.launch_forward(inputs)
+        else:
+            handle, forward = self.runner.execute(inputs), None
+        return LaunchedStep(batch, handle, forward, schedule_s, prepared - started, time.perf_counter() - prepared)
+
+    def _fill_masks_and_sample(self, step: LaunchedStep) -> None:
+        """The second half of a step with constrained rows: the matchers accept every earlier step's token, the
+        masks are filled from them and sampling is launched."""
+        started = time.perf_counter()
+        self.scheduler.accept_deferred()
+        step.handle = self.runner.launch_sample(step.forward, self.runner.fill_masks(step.batch))
+        step.forward = None
+        step.execute_s += time.perf_counter() - started
+
+    def _finish(self, step: LaunchedStep) -> list[Sequence]:
+        """Wait for a step's tokens and postprocess it; returns the sequences that finished."""
+        started = time.perf_counter()
         tokens, device_s = self.runner.wait(step.handle)
-        t1 = time.perf_counter()
+        waited = time.perf_counter()
         self.scheduler.postprocess(step.batch, tokens, step.handle.logprobs)
         finished = self.scheduler.take_finished()
-        t2 = time.perf_counter()
         batch = step.batch
         self.stats.record_step(
             schedule_s=step.schedule_s, prepare_s=step.prepare_s, execute_s=step.execute_s,
-            wait_s=t1 - t0, postprocess_s=t2 - t1, device_s=device_s, prefill_tokens=batch.num_prefill_tokens,
-            decode_tokens=batch.num_tokens - batch.num_prefill_tokens, batch_size=len(batch))
+            wait_s=waited - started, postprocess_s=time.perf_counter() - waited, device_s=device_s,
+            prefill_tokens=batch.num_prefill_tokens, decode_tokens=batch.num_tokens - batch.num_prefill_tokens,
+            batch_size=len(batch))
         return finished

@@ -28,23 +28,18 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
-from torch import nn
 
-from nanovllm.distributed import tp_size
+from nanovllm.kernels.fp8_formats import FP8_DTYPE, FP8_MAX, MIN_AMAX, Fp8Activation
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
-MIN_AMAX = 1e-10  # the smallest max(|x|) a scale is computed from: a zero group gets a finite scale
 # Weights quantized at load try this many scales per row (`quantize`'s search): on SmolLM2-135M's real weights it
 # took the perplexity ratio of FP8 weights + KV from 1.0356 to 1.0274 (H100, bf16; docs/FP8.md).
 WEIGHT_SCALE_SEARCH = 16
 SEARCH_CHUNK = 1 << 24  # weight elements a scale search tries at once (its float32 temporaries: 64 MiB each)
 # Per-channel FP8 projections with at most this many rows (tokens) run on the Triton kernel, larger ones on
 # cuBLASLt: at Qwen3-8B's projections on the H100 Triton was faster at 1, 16 and 64 rows, even at 32 and slower
-# from 128 (scripts/bench_fp8_gemm.py, docs/BENCHMARKS.md 2026-11-25).
+# from 128 (scripts/bench_fp8_gemm.py).
 TRITON_MAX_ROWS = 64
 
 
@@ -57,16 +52,6 @@ class Fp8Scheme:
     block: tuple[int, int] | None
     in_checkpoint: bool
     name: str
-
-
-class Fp8Activation(NamedTuple):
-    """An activation quantized per token by the kernel that made it (kernels/fused_ops.py, `quantize=True`), for
-    the per-channel FP8 linear it feeds: `values` float8 [M, K], `scales` float32 [M, 1], `dtype` the model dtype
-    it stands for (the linear's output dtype)."""
-
-    values: torch.Tensor
-    scales: torch.Tensor
-    dtype: torch.dtype
 
 
 def quantize(t: torch.Tensor, block: tuple[int, int],
@@ -159,83 +144,3 @@ def fp8_linear(x: torch.Tensor | Fp8Activation, weight: torch.Tensor, scale: tor
         out = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale.view(1, -1), out_dtype=dtype)
         return out + bias if bias is not None else out
     return fp8_gemm(xq, xs, weight, scale, block, bias, dtype)
-
-
-def fp8_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The layers that hold FP8 weights under a scheme: column- and row-parallel linears (see the module doc)."""
-    from nanovllm.layers.linear import ColumnParallelLinear, RowParallelLinear
-
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
-
-
-def _scale_shape(layer: nn.Module, block: tuple[int, int] | None, shape: tuple[int, int]) -> tuple[int, int]:
-    n, k = shape
-    if block is None:
-        return (n, 1)
-    bn, bk = block
-    if n % bn or k % bk:
-        raise ValueError(f"{type(layer).__name__} of {n} x {k} (this rank's shard) does not divide into "
-                         f"{bn} x {bk} FP8 scale blocks: use another tensor_parallel_size")
-    return (n // bn, k // bk)
-
-
-def _replace_weight(layer: nn.Module, fp8_weight: torch.Tensor) -> nn.Parameter:
-    """Swap the layer's weight for `fp8_weight` (its shape attributes carried over); returns the old weight."""
-    weight = layer.weight
-    layer.weight = nn.Parameter(fp8_weight, requires_grad=False)
-    for attr in ("full_shape", "packed_parts"):
-        if hasattr(weight, attr):
-            setattr(layer.weight, attr, getattr(weight, attr))
-    return weight
-
-
-def prepare_fp8(model: nn.Module, scheme: Fp8Scheme) -> None:
-    """Give the layers their FP8 parameters before loading. From a checkpoint: `weight` becomes float8 and
-    `weight_scale` (this rank's shard; `full_shape`, `packed_parts` in scale rows, as linear.py expects) is
-    added. Quantized after loading: the weight stays in the model dtype until `finish_fp8`."""
-    if not scheme.in_checkpoint:
-        return
-    for _, layer in fp8_layers(model):
-        layer.fp8 = scheme
-        weight = _replace_weight(layer, torch.empty(layer.weight.shape, dtype=FP8_DTYPE, device=layer.weight.device))
-        scale = nn.Parameter(torch.empty(_scale_shape(layer, scheme.block, tuple(weight.shape)),
-                                         dtype=torch.float32, device=weight.device), requires_grad=False)
-        scale.full_shape = _scale_shape(layer, scheme.block, weight.full_shape)
-        rows_per_scale = weight.full_shape[0] // scale.full_shape[0]
-        if hasattr(weight, "packed_parts"):
-            for part, rows in weight.packed_parts.items():
-                if rows % (rows_per_scale * tp_size()):
-                    raise ValueError(f"packed part {part!r} of {rows} rows does not divide into "
-                                     f"{rows_per_scale}-row FP8 scale blocks on each of {tp_size()} ranks")
-            scale.packed_parts = {part: rows // rows_per_scale for part, rows in weight.packed_parts.items()}
-        layer.weight_scale = scale
-    # HF `fp8` checkpoints name the scale `weight_scale_inv` (a multiplier despite the name).
-    model.checkpoint_renames = {**getattr(model, "checkpoint_renames", {}), ".weight_scale_inv": ".weight_scale"}
-
-
-@torch.no_grad()
-def finish_fp8(model: nn.Module, scheme: Fp8Scheme) -> None:
-    """After loading: quantize the weights loaded in the model dtype, one layer at a time (each layer's
-    model-dtype copy is freed as soon as it is quantized); then let fused kernels quantize for their linears."""
-    if not scheme.in_checkpoint:
-        for _, layer in fp8_layers(model):
-            weight = layer.weight
-            block = scheme.block or (1, weight.shape[1])
-            _scale_shape(layer, scheme.block, tuple(weight.shape))  # the same divisibility error as from a checkpoint
-            q, scale = quantize(weight, block, WEIGHT_SCALE_SEARCH)
-            _replace_weight(layer, q)
-            layer.weight_scale = nn.Parameter(scale, requires_grad=False)
-            layer.fp8 = scheme
-    fuse_activation_quantization(model)
-
-
-def fuse_activation_quantization(model: nn.Module) -> None:
-    """Where a module's output feeds one per-channel FP8 linear and nothing else, and the module is a fused kernel
-    (its `kernel`, CUDA) that can quantize (`quantize_output`), it hands that linear an `Fp8Activation` instead of
-    a tensor the linear quantizes in a launch of its own. The models name those pairs: a module's
-    `fp8_input_pairs()` lists (producer, the linear it feeds)."""
-    for module in model.modules():
-        for producer, linear in module.fp8_input_pairs() if hasattr(module, "fp8_input_pairs") else ():
-            if (linear.fp8 is not None and linear.fp8.block is None and getattr(producer, "kernel", None) is not None
-                    and hasattr(producer, "quantize_output")):
-                producer.quantize_output = True

@@ -8,29 +8,27 @@ order, or the step loop."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from nanovllm.layers.noise import gumbel_noise
-from nanovllm.runner.step_buffers import SEQS, buffer
+from nanovllm.kernels.noise import gumbel_noise
 
 
-@dataclass
-class SamplingTensors:
-    """Per-row sampling settings of one step, already on the device."""
+class SamplingSettings(Protocol):
+    """Per-row sampling settings of one step, on the logits' device (the runner's step inputs hold them)."""
 
-    temperatures: torch.Tensor = buffer(torch.float32, SEQS)  # [batch]; 0 = greedy
-    top_k: torch.Tensor = buffer(torch.int64, SEQS)  # [batch]; >= vocab size = off
-    top_p: torch.Tensor = buffer(torch.float32, SEQS)  # [batch]; 1 = off
-    min_p: torch.Tensor = buffer(torch.float32, SEQS)  # [batch]; 0 = off
-    seeds: torch.Tensor = buffer(torch.int64, SEQS)  # [batch]
-    sample_positions: torch.Tensor = buffer(torch.int64, SEQS)  # [batch]: index of the output token being drawn
+    temperatures: torch.Tensor  # float32 [batch]; 0 = greedy
+    top_k: torch.Tensor  # int64 [batch]; >= vocab size = off
+    top_p: torch.Tensor  # float32 [batch]; 1 = off
+    min_p: torch.Tensor  # float32 [batch]; 0 = off
+    seeds: torch.Tensor  # int64 [batch]
+    sample_positions: torch.Tensor  # int64 [batch]: index of the output token being drawn
     all_greedy: bool
     any_filter: bool  # some row has top-k, top-p or min-p on (the torch path skips its sort without)
 
 
-def kept_thresholds(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+def kept_thresholds(logits: torch.Tensor, t: SamplingSettings) -> torch.Tensor:
     """float32 [batch]: each row keeps the tokens with logit >= this (the kernel's rule, by a full sort)."""
     batch, vocab = logits.shape
     inv_t = 1.0 / t.temperatures.float()
@@ -58,7 +56,7 @@ def kept_thresholds(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     return torch.maximum(threshold, torch.maximum(tau_k, tau_p))
 
 
-def reference_sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+def reference_sample(logits: torch.Tensor, t: SamplingSettings) -> torch.Tensor:
     """The sampling rule in torch: logits [batch, vocab], any float dtype -> token ids int64 [batch]."""
     greedy = logits.argmax(dim=-1)
     if t.all_greedy:
@@ -75,7 +73,7 @@ def _use_kernel(logits: torch.Tensor) -> bool:
     return logits.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
 
 
-def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+def sample(logits: torch.Tensor, t: SamplingSettings) -> torch.Tensor:
     """logits: [batch, vocab], any float dtype -> token ids int64 [batch]: the fused kernel on CUDA, the torch
     path elsewhere. Greedy rows take the argmax of the logits as they are (widening is exact, so it picks the same
     token as the float32 copy)."""

@@ -8,7 +8,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from nanovllm.layers.fp8 import FP8_DTYPE, Fp8Scheme, finish_fp8, prepare_fp8
+from nanovllm.layers.fp8 import FP8_DTYPE, Fp8Scheme
+from nanovllm.loaders.fp8_weights import finish_fp8, prepare_fp8
 
 # Checkpoint tensors with no parameter in our model: rotary tables are recomputed.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

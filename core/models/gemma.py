@@ -7,7 +7,8 @@ from __future__ import annotations
 import math
 
 from nanovllm.layers.rotary import rope_parameters
-from nanovllm.models.llama import DecoderSpec, LlamaForCausalLM, layer_windows
+from nanovllm.models.geometry import layer_windows
+from nanovllm.models.llama import DecoderSpec, LlamaForCausalLM
 
 
 def _gemma_spec(config, qk_norm: bool, layer_rope: tuple[dict, ...]) -> DecoderSpec:

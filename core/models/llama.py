@@ -11,22 +11,17 @@ import torch
 from torch import nn
 
 from nanovllm.attention.metadata import AttentionMetadata
-from nanovllm.distributed import tp_size
 from nanovllm.layers.activation import GeluTanhAndMul, SiluAndMul
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanovllm.layers.norm import RMSNorm
 from nanovllm.layers.rotary import RotaryEmbedding, rope_parameters
+from nanovllm.models.geometry import head_dim_of, layer_windows
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "mixtral")
 # HF's hidden_act names -> the [gate | up] activation
 ACTIVATIONS = {"silu": SiluAndMul, "gelu_pytorch_tanh": GeluTanhAndMul}
-LAYER_TYPES = ("full_attention", "sliding_attention")
-
-
-def head_dim_of(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 @dataclass(frozen=True)
@@ -46,25 +41,6 @@ class DecoderSpec:
     attn_scale: float | None = None  # None: head_dim ** -0.5
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
-
-
-def layer_windows(config) -> tuple[int | None, ...]:
-    """Each layer's sliding window: from `layer_types` where the config has them (Gemma 2/3, Qwen2/3 of
-    transformers >= 4.53), else `sliding_window` for every layer when set (Mistral, Phi-3). A window that spans
-    max_position_embeddings hides nothing (Phi-3.5's 262144): those layers take the unwindowed path."""
-    num_layers = config.num_hidden_layers
-    window = getattr(config, "sliding_window", None)
-    if window is not None and window >= config.max_position_embeddings:
-        window = None
-    types = getattr(config, "layer_types", None)
-    if types is None:
-        enabled = window is not None and getattr(config, "use_sliding_window", True)
-        return (window if enabled else None,) * num_layers
-    if len(types) != num_layers or not set(types) <= set(LAYER_TYPES):
-        raise ValueError(f"layer_types {types!r}: expected {num_layers} entries of {', '.join(LAYER_TYPES)}")
-    if "sliding_attention" in types and getattr(config, "sliding_window", None) is None:
-        raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
-    return tuple(window if t == "sliding_attention" else None for t in types)
 
 
 def llama_spec(config) -> DecoderSpec:
@@ -142,7 +118,7 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
     def fp8_input_pairs(self) -> list[tuple[nn.Module, nn.Module]]:
-        """(module, the one linear its output feeds): layers/fp8.py `fuse_activation_quantization`."""
+        """(module, the one linear its output feeds): loaders/fp8_weights.py `fuse_activation_quantization`."""
         return [(self.act, self.down_proj)]
 
 
@@ -178,7 +154,7 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
     def fp8_input_pairs(self) -> list[tuple[nn.Module, nn.Module]]:
-        """(module, the one linear its output feeds): layers/fp8.py `fuse_activation_quantization`. The norm
+        """(module, the one linear its output feeds): loaders/fp8_weights.py `fuse_activation_quantization`. The norm
         before the MLP feeds only gate|up where the MLP is the dense one (an MoE block also routes on it)."""
         pairs = [(self.input_layernorm, self.self_attn.qkv_proj)]
         if isinstance(self.mlp, LlamaMLP):
@@ -258,12 +234,3 @@ class LlamaForCausalLM(nn.Module):
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
-
-
-def kv_heads_per_rank(config) -> int:
-    return config.num_key_value_heads // tp_size()
-
-
-def kv_block_bytes(config, block_size: int, itemsize: int, num_kv_heads: int, num_layers: int) -> int:
-    """Bytes of one KV-cache block of `num_layers` layer slots (K and V) holding `num_kv_heads` heads."""
-    return 2 * num_layers * block_size * num_kv_heads * head_dim_of(config) * itemsize

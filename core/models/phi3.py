@@ -4,7 +4,8 @@ rope may be longrope and partial (partial_rotary_factor); a sliding window appli
 from __future__ import annotations
 
 from nanovllm.layers.rotary import rope_parameters
-from nanovllm.models.llama import DecoderSpec, LlamaForCausalLM, layer_windows
+from nanovllm.models.geometry import layer_windows
+from nanovllm.models.llama import DecoderSpec, LlamaForCausalLM
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):

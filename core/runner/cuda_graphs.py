@@ -15,7 +15,8 @@ import torch
 from nanovllm.attention import AttentionMetadata
 from nanovllm.distributed import before_tp_group_destroyed, tp_size
 from nanovllm.runner.inputs import StepInputs
-from nanovllm.runner.step_buffers import DeviceBlockTables, buffer_specs
+from nanovllm.runner.persistent_batch import DeviceBlockTables
+from nanovllm.runner.step_buffers import buffer_specs
 
 # The step inputs a decode graph reads; a tensor-parallel worker, which receives them elsewhere, copies them in.
 _GRAPH_FIELDS = [name for name, f in buffer_specs(StepInputs) if f.metadata["graph"]]

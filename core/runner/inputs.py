@@ -1,4 +1,5 @@
-"""The device side's step types: what a step reads on the device (`StepInputs`) and a launched step (`StepHandle`)."""
+"""The device side's step types: what a step reads on the device (`StepInputs`, with its `SamplingTensors`) and a
+step whose forward is launched (`LaunchedForward`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -7,9 +8,21 @@ from typing import Any
 import torch
 
 from nanovllm.layers.logprobs import TokenLogprobs
-from nanovllm.layers.sampler import SamplingTensors
-from nanovllm.runner.logprob_step import StepLogprobs
 from nanovllm.runner.step_buffers import GROUP_TOKENS, ROWS, ROWS_PLUS_ONE, SEQS, TOKENS, UPDATES, buffer
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling settings of one step, already on the device (what `nanovllm.layers.sampler` reads)."""
+
+    temperatures: torch.Tensor = buffer(torch.float32, SEQS)  # [batch]; 0 = greedy
+    top_k: torch.Tensor = buffer(torch.int64, SEQS)  # [batch]; >= vocab size = off
+    top_p: torch.Tensor = buffer(torch.float32, SEQS)  # [batch]; 1 = off
+    min_p: torch.Tensor = buffer(torch.float32, SEQS)  # [batch]; 0 = off
+    seeds: torch.Tensor = buffer(torch.int64, SEQS)  # [batch]
+    sample_positions: torch.Tensor = buffer(torch.int64, SEQS)  # [batch]: index of the output token being drawn
+    all_greedy: bool
+    any_filter: bool  # some row has top-k, top-p or min-p on (the torch path skips its sort without)
 
 
 @dataclass
@@ -49,20 +62,6 @@ class StepInputs:
     max_seq_len: int
     decode_num_splits: int
     graph_size: int | None  # replay the decode graph of this batch size instead of running eagerly
-
-
-@dataclass
-class StepHandle:
-    """A launched step: sampled ids on the device, their pinned host copy, timing events, the copy's event, and
-    the number of the step-buffer upload the step read; `logprobs` when some row asked (copied to the host
-    behind the same event)."""
-
-    sampled: torch.Tensor
-    host: torch.Tensor | None
-    timing: tuple[torch.cuda.Event, torch.cuda.Event] | None
-    ready: torch.cuda.Event | None
-    upload: int
-    logprobs: StepLogprobs | None = None
 
 
 @dataclass

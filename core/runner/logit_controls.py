@@ -1,6 +1,6 @@
 """Rank 0's device state for penalties and logit controls of the running rows, and their per-step application.
 
-The ops are `nanovllm.layers.logits_processors` (vLLM's semantics and order). State lives on the device and
+The ops are `nanovllm.layers.logit_controls` (vLLM's semantics and order). State lives on the device and
 changes only when a row with controls joins or leaves, never from the host per step:
 
 - Rows with repetition / presence / frequency penalties hold a `TokenHistory` slot: prompt mask and output
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from nanovllm.layers.logits_processors import (
+from nanovllm.layers.logit_controls import (
     TokenHistory,
     apply_allowed_tokens,
     apply_bad_words,
@@ -53,11 +53,12 @@ def has_penalties(params: SamplingParams) -> bool:
 
 
 class LogitControls:
-    def __init__(self, num_rows: int, vocab_size: int, device: torch.device, initial_slots: int = 8):
+    def __init__(self, num_rows: int, vocab_size: int, device: torch.device, eos_token_ids: list[int],
+                 initial_slots: int = 8):
         self.num_rows_total = num_rows
         self.vocab_size = vocab_size
         self.device = device
-        self.eos_token_ids: list[int] = []  # set by the engine: min_tokens bans them (unless ignore_eos)
+        self.eos_token_ids = eos_token_ids  # min_tokens bans them (unless ignore_eos)
         self.slot_of_row = np.full(num_rows, -1, dtype=np.int64)
         self.repetition = np.ones(num_rows, dtype=np.float32)
         self.presence = np.zeros(num_rows, dtype=np.float32)

@@ -7,28 +7,12 @@ first output token instead). Nothing here runs for a step in which no row asks: 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
-from nanovllm.batch import ScheduledBatch
 from nanovllm.layers.logprobs import TokenLogprobs
-from nanovllm.runner.step_buffers import SequenceRows
-
-
-@dataclass
-class LogprobPlan:
-    """The host side of a step's logprobs. `sampled_indices`: batch indices of the sampled rows that asked, in
-    the order of their results. `prompt_spans`: (batch index, first prompt position scored, count) per chunk that
-    asked, in the order of the prompt results. `prompt_targets`: int64 [2, n]: each scored position's token index
-    in the step and the prompt token it scores."""
-
-    sampled_indices: np.ndarray
-    num_top: int
-    prompt_spans: list[tuple[int, int, int]]
-    prompt_targets: np.ndarray | None
-    num_top_prompt: int
+from nanovllm.runner.persistent_batch import SequenceRows
+from nanovllm.step_types import LogprobPlan, ScheduledBatch
 
 
 def plan_logprobs(rows: SequenceRows, batch: ScheduledBatch, batch_rows: np.ndarray) -> LogprobPlan | None:
@@ -59,16 +43,6 @@ def plan_logprobs(rows: SequenceRows, batch: ScheduledBatch, batch_rows: np.ndar
     prompt_targets = np.stack([np.concatenate(token_indices), np.asarray(targets, dtype=np.int64)]) if spans else None
     return LogprobPlan(sampled, int(top[sampled].max()) if len(sampled) else 0, spans, prompt_targets,
                        int(max(prompt_top[i] for i, _, _ in spans)) if spans else 0)
-
-
-@dataclass
-class StepLogprobs:
-    """A launched step's logprob results: the plan, and the results (in pinned host memory on CUDA, valid once
-    the step's `ready` event has passed), each in its plan's order."""
-
-    plan: LogprobPlan
-    sampled: TokenLogprobs | None
-    prompt: TokenLogprobs | None
 
 
 def copy_to_host(results: TokenLogprobs | None) -> TokenLogprobs | None:

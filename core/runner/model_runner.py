@@ -5,26 +5,24 @@ import gc
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from nanovllm.attention import AttentionMetadata, select_backend
 from nanovllm.attention.kv_quant import check_fp8_kv_supported
-from nanovllm.batch import ScheduledBatch
 from nanovllm.config import EngineConfig
 from nanovllm.distributed import min_over_ranks
 from nanovllm.kv_groups import max_blocks_held, plan_kv_groups
 from nanovllm.layers.logprobs import TokenLogprobs, chunked_logprobs, compute_logprobs
-from nanovllm.layers.sampler import SamplingTensors, sample
+from nanovllm.layers.sampler import sample
 from nanovllm.loaders import ResolvedModel, load_weights
 from nanovllm.loaders.quantization import fp8_scheme
-from nanovllm.models.llama import head_dim_of, kv_block_bytes, kv_heads_per_rank
+from nanovllm.models.geometry import head_dim_of, kv_block_bytes, kv_heads_per_rank
 from nanovllm.models.registry import model_class_for
-from nanovllm.runner.cuda_graphs import DecodeGraphs
-from nanovllm.runner.inputs import LaunchedForward, StepHandle, StepInputs
-from nanovllm.runner.logit_controls import LogitControls
-from nanovllm.runner.logprob_step import LogprobPlan, StepLogprobs, copy_to_host, plan_logprobs
+from nanovllm.runner.cuda_graphs import DecodeGraphs, batch_size_ladder
+from nanovllm.runner.inputs import LaunchedForward, SamplingTensors, StepInputs
+from nanovllm.runner.logprob_step import copy_to_host, plan_logprobs
 from nanovllm.runner.memory_budget import EngineMemoryMeter, kv_cache_bytes, release_process_workspaces
+from nanovllm.runner.persistent_batch import PersistentBatch
 from nanovllm.runner.step_buffers import (
     GROUP_TOKENS,
     ROWS,
@@ -32,13 +30,12 @@ from nanovllm.runner.step_buffers import (
     SEQS,
     TOKENS,
     UPDATES,
-    DeviceBlockTables,
     Field,
-    SequenceRows,
     StepBuffers,
     buffer_fields,
     sliced_views,
 )
+from nanovllm.step_types import LogprobPlan, ScheduledBatch, StepHandle, StepLogprobs
 
 if TYPE_CHECKING:
     from nanovllm.structured import BatchBitmask, StepBitmask
@@ -85,20 +82,10 @@ class _OutputSlot:
     ready: torch.cuda.Event
 
 
-@dataclass
-class _LastStep:
-    """The step launched last, as far as the next one needs it: its samples (on the device) feed the next step's
-    pending inputs. `index_of_row[r]` is the batch index the sequence of row r had in it (-1: not in it)."""
-
-    rows: np.ndarray
-    index_of_row: np.ndarray
-    sampled: torch.Tensor | None = None
-
-
 class ModelRunner:
     """Executes scheduled batches: builds the model, owns the KV cache, prepares inputs, runs forward + sampling."""
 
-    def __init__(self, config: EngineConfig, resolved: ResolvedModel, max_model_len: int):
+    def __init__(self, config: EngineConfig, resolved: ResolvedModel, max_model_len: int, eos_token_ids: list[int]):
         self.config = config
         self.hf_config = resolved.hf_config
         self.device = config.resolve_device()
@@ -144,12 +131,9 @@ class ModelRunner:
         self.max_batch_size = min(config.max_num_seqs, config.max_num_batched_tokens)
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.buffers = StepBuffers(self._buffer_fields(), self.device)
-        # Rows for twice the running sequences: released ones may still be read by the step in flight. A row's
-        # table interleaves the KV groups' tables (kv_groups.py).
-        table_width = self.num_groups * self.max_blocks_per_seq
-        self.rows = SequenceRows(2 * self.max_batch_size, table_width, self.vocab_size)
-        self.controls = self.rows.controls = LogitControls(len(self.rows.host_tables), self.vocab_size, self.device)
-        self.tables = DeviceBlockTables(len(self.rows.host_tables), table_width, self.device)
+        self.persistent = PersistentBatch(self.max_batch_size, self.max_blocks_per_seq, self.num_groups,
+                                          self.block_size, self.vocab_size, eos_token_ids, self.device)
+        self.tables = self.persistent.tables
         # Memoised slicing of the device views (a torch call per tensor, and a step of a given size recurs). The
         # caches hold the views, not the runner, so that dropping the engine frees it without a garbage collection.
         on_device = self.buffers.on_device
@@ -157,9 +141,6 @@ class ModelRunner:
         self._pending_views = functools.lru_cache(maxsize=1024)(functools.partial(_slice_pending_views, on_device))
         self._table_update_views = functools.lru_cache(maxsize=4096)(
             functools.partial(_slice_table_update_views, on_device))
-        self._rows_of: tuple[list, np.ndarray] = ([], np.zeros(0, dtype=np.int64))  # a batch's seqs, their rows
-        self._arange = np.arange(self.max_batch_size + 1)
-        self._last = _LastStep(np.zeros(0, dtype=np.int64), np.full(len(self.rows.host_tables), -1, dtype=np.int64))
         self._logprob_plan: LogprobPlan | None = None  # the prepared step's, until it is launched
         if self.device.type == "cuda":
             self._output_slots = [
@@ -180,9 +161,8 @@ class ModelRunner:
             return
         if self.graphs is not None:
             self.graphs.release()
-        self.model = self.kv_cache = self.graphs = self.tables = self.buffers = None
-        self._views = self._pending_views = self._table_update_views = self._last = self._bitmask = None
-        self.controls = self.rows.controls = None
+        self.model = self.kv_cache = self.graphs = self.tables = self.buffers = self.persistent = None
+        self._views = self._pending_views = self._table_update_views = self._bitmask = None
         if self.device.type == "cuda":
             gc.collect()  # whatever a CUDA graph or a kernel cache still ties into a cycle, before the cache is emptied
             release_process_workspaces()
@@ -197,6 +177,11 @@ class ModelRunner:
         except RuntimeError as exc:  # CUDA reports a broken context only this way
             return str(exc)
         return None
+
+    @property
+    def decode_batch_sizes(self) -> tuple[int, ...]:
+        """The batch sizes a decode step is padded to (its CUDA graphs' sizes, where it has graphs)."""
+        return tuple(batch_size_ladder(self.max_batch_size))
 
     @property
     def released(self) -> bool:
@@ -267,48 +252,35 @@ class ModelRunner:
         return layout
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
-        """Device inputs for `batch`. A pending input (see ScheduledBatch) is taken on the device from the output
-        of the step launched before, which may still be running.
-
-        Per sequence, only the row lookup is Python work; everything else is vectorised over the batch from the
-        sequences' rows (block tables, sampling settings) and the batch's own lists."""
+        """Device inputs for `batch`, in named steps: the persistent batch's rows and table updates, the step's
+        shape (a decode graph's size, or eager), token inputs, sampling settings, logit controls, pending inputs.
+        A pending input (see ScheduledBatch) is taken on the device from the output of the step launched before,
+        which may still be running."""
         num_seqs = len(batch.seqs)
-        pure_decode = batch.num_tokens == num_seqs
+        persistent = self.persistent
         host = self.buffers.begin()
-        self.rows.release(batch.released_seq_ids)
-        update_indices, update_blocks = self.rows.sync(batch.table_changed)
-        num_updates = len(update_blocks)
-        rows = self._rows_for(batch.seqs)
-        plan = self._logprob_plan = plan_logprobs(self.rows, batch, rows)
-        graph_size = self.graphs.batch_size_for(num_seqs) if self.graphs and pure_decode else None
-        if plan is not None and plan.prompt_targets is not None:
-            graph_size = None  # prompt positions' logits come from the hidden states an eager step keeps
-        if graph_size is not None and num_updates > graph_size * self.num_groups:
-            graph_size = None  # a graph applies a new block per row and KV group; a readmitted sequence brings more
-        num_staged = self._stage_table_updates(host, update_indices, update_blocks,
-                                               graph_size and graph_size * self.num_groups)
+        rows, update_indices, update_blocks = persistent.sync(batch)
+        plan = self._logprob_plan = plan_logprobs(persistent.rows, batch, rows)
+        graph_size = self._graph_size(batch, plan, len(update_blocks))
+        num_staged = persistent.stage_table_updates(host, update_indices, update_blocks,
+                                                    graph_size and graph_size * self.num_groups)
         padded_seqs = graph_size or num_seqs
-        # The usual steady decode: every input is the last step's sample of the same row, copied on the device.
-        copy_all = (len(batch.pending_inputs) == num_seqs and pure_decode
-                    and (rows is self._last.rows or np.array_equal(rows, self._last.rows)))
-        ends = self._fill_token_inputs(host, batch, rows, padded_seqs, copy_all)
-        all_greedy, any_filter = self._fill_sampling(host, rows, ends)
+        steady = persistent.is_steady_decode(batch, rows)
+        ends = persistent.fill_token_inputs(host, batch, rows, padded_seqs, steady)
+        all_greedy, any_filter = persistent.fill_sampling(host, rows, ends)
         if plan is not None:
             host["logprob_rows"][:len(plan.sampled_indices)] = plan.sampled_indices
-        controls_on = self.controls.num_rows > 0
-        num_penalty_rows = self.controls.stage(host, rows, batch.samples) if controls_on else 0
-        if controls_on and all_greedy:  # min_tokens reads each row's output length
-            np.subtract(ends, self.rows.num_prompt_tokens[rows], out=host["sample_positions"][:num_seqs])
-        num_gathered = 0 if copy_all else self._stage_pending(host, batch, rows)
-        self._remember_rows(rows)
+        controls_on, num_penalty_rows = persistent.fill_controls(host, rows, ends, batch.samples, all_greedy)
+        num_gathered = 0 if steady else persistent.stage_pending(host, batch, rows)
+        persistent.remember(rows)
         self.buffers.upload(2 * num_staged)
 
         views = self._views(padded_seqs if graph_size else batch.num_tokens, padded_seqs, num_seqs)
-        if copy_all:
-            views.decode_input_ids.copy_(self._last.sampled)
+        if steady:
+            views.decode_input_ids.copy_(persistent.last_sampled)
         elif num_gathered:
             tokens, sources = self._pending_views(num_gathered)
-            views.step["input_ids"].index_put_((tokens,), self._last.sampled.index_select(0, sources))
+            views.step["input_ids"].index_put_((tokens,), persistent.last_sampled.index_select(0, sources))
         max_seq_len = int(ends.max())
         prompt_targets = None
         if plan is not None and plan.prompt_targets is not None:
@@ -320,110 +292,20 @@ class ModelRunner:
             num_top_logprobs=plan.num_top if plan else 0, prompt_logprob_targets=prompt_targets,
             num_top_prompt_logprobs=plan.num_top_prompt if plan else 0, num_penalty_rows=num_penalty_rows,
             logit_controls=controls_on,
-            max_query_len=1 if pure_decode else max(batch.num_new_tokens), max_seq_len=max_seq_len,
+            max_query_len=1 if batch.num_tokens == num_seqs else max(batch.num_new_tokens), max_seq_len=max_seq_len,
             decode_num_splits=self.backend.decode_num_splits(num_seqs, max_seq_len, self.num_kv_heads),
             graph_size=graph_size)
 
-    def _stage_table_updates(self, host: dict[str, np.ndarray], update_indices: list[int], update_blocks: list[int],
-                             graph_updates: int | None) -> int:
-        """The table entries the device lacks (flat indices, block ids), as the step carries them: a graph's
-        fixed number (padded with writes to the sink row), or all of them. Returns that number."""
-        num_updates = len(update_blocks)
-        num_staged = graph_updates or num_updates
-        staged = host["table_updates"]
-        staged[:num_updates] = update_indices
-        staged[num_staged:num_staged + num_updates] = update_blocks
-        if num_staged > num_updates:
-            staged[num_updates:num_staged] = self.tables.sink_index
-            staged[num_staged + num_updates:2 * num_staged] = 0
-        return num_staged
-
-    def _rows_for(self, seqs: list) -> np.ndarray:
-        if seqs is not self._rows_of[0]:  # the scheduler's steady decode steps reuse one list of sequences
-            row_of = self.rows.row_of
-            self._rows_of = (seqs, np.fromiter([row_of[seq.seq_id] for seq in seqs], np.int64, len(seqs)))
-        return self._rows_of[1]
-
-    def _fill_token_inputs(self, host: dict[str, np.ndarray], batch: ScheduledBatch, rows: np.ndarray,
-                           padded_seqs: int, ids_on_device: bool) -> np.ndarray:
-        """Ids (unless `ids_on_device`), positions, KV slots, query starts, context lengths, logits indices and
-        the rows (graph padding included); returns each sequence's context length after the step."""
-        num_seqs, num_tokens = len(rows), batch.num_tokens
-        host_rows = host["rows"][:padded_seqs]
-        host_rows[:num_seqs] = rows
-        host_rows[num_seqs:] = self.rows.padding_row
-        starts = np.array(batch.start_positions, dtype=np.int64)
-        query_start = host["query_start_loc"][:num_seqs + 1]
-        if num_tokens == num_seqs:
-            query_start[:] = self._arange[:num_seqs + 1]
-            positions, token_rows, ends = starts, rows, starts + 1
-        else:
-            num_new = np.array(batch.num_new_tokens, dtype=np.int64)
-            query_start[0] = 0
-            np.cumsum(num_new, out=query_start[1:])
-            positions = np.arange(num_tokens) + np.repeat(starts - query_start[:-1], num_new)
-            token_rows = np.repeat(rows, num_new)
-            ends = starts + num_new
-        block_size, groups = self.block_size, self.num_groups
-        # [groups, step tokens]: the step's views are as wide as its padded token count
-        slots = host["slot_mapping"][:groups * max(num_tokens, padded_seqs)].reshape(groups, -1)
-        columns, offsets = positions // block_size, positions % block_size
-        if groups > 1:
-            columns *= groups
-        shared = positions < self.rows.num_shared_kv_tokens[token_rows]  # complete shared blocks: no write
-        for group in range(groups):
-            group_slots = slots[group, :num_tokens]
-            np.add(self.rows.host_tables[token_rows, columns + group if group else columns] * block_size, offsets,
-                   out=group_slots)
-            group_slots[shared] = -1
-        if not ids_on_device:
-            host["input_ids"][:num_tokens] = batch.input_ids
-        host["positions"][:num_tokens] = positions
-        host["seq_lens"][:num_seqs] = ends
-        np.subtract(query_start[1:], 1, out=host["logits_indices"][:num_seqs])
-        if padded_seqs > num_seqs:  # graph padding: one token each, no KV written, the all-zero table row
-            pad = slice(num_seqs, padded_seqs)
-            host["input_ids"][pad] = 0
-            host["positions"][pad] = 0
-            slots[:, pad] = -1
-            host["query_start_loc"][num_seqs + 1:padded_seqs + 1] = self._arange[num_tokens + 1:padded_seqs + 1]
-            host["seq_lens"][pad] = 1
-        return ends
-
-    def _fill_sampling(self, host: dict[str, np.ndarray], rows: np.ndarray, ends: np.ndarray) -> tuple[bool, bool]:
-        """Each sequence's sampling settings, from its row; returns (all greedy, any top-k/top-p/min-p)."""
-        num_seqs = len(rows)
-        temperatures = host["temperatures"][:num_seqs]
-        np.take(self.rows.temperature, rows, out=temperatures)
-        if not temperatures.any():
-            return True, False
-        for name, values in (("top_k", self.rows.top_k), ("top_p", self.rows.top_p),
-                             ("min_p", self.rows.min_p), ("seeds", self.rows.seed)):
-            np.take(values, rows, out=host[name][:num_seqs])
-        any_filter = bool((host["top_k"][:num_seqs] < self.vocab_size).any()
-                          or (host["top_p"][:num_seqs] < 1).any() or host["min_p"][:num_seqs].any())
-        # index of the output token each row draws: the token after the chunk's last position
-        np.subtract(ends, self.rows.num_prompt_tokens[rows], out=host["sample_positions"][:num_seqs])
-        return False, any_filter
-
-    def _stage_pending(self, host: dict[str, np.ndarray], batch: ScheduledBatch, rows: np.ndarray) -> int:
-        """For each pending input, its token index in this step and its index in the last step's samples (by the
-        sequence's row); returns their number."""
-        count = len(batch.pending_inputs)
-        if count:
-            at = np.array(batch.pending_inputs, dtype=np.int64)
-            sources = self._last.index_of_row[rows[at]]
-            if (sources < 0).any():
-                raise RuntimeError("a pending input's sequence was not in the step launched before")
-            host["pending_tokens"][:count] = host["query_start_loc"][at + 1] - 1
-            host["pending_sources"][:count] = sources
-        return count
-
-    def _remember_rows(self, rows: np.ndarray) -> None:
-        last = self._last
-        last.index_of_row[last.rows] = -1
-        last.index_of_row[rows] = self._arange[:len(rows)]
-        last.rows = rows
+    def _graph_size(self, batch: ScheduledBatch, plan: LogprobPlan | None, num_updates: int) -> int | None:
+        """The decode graph a step replays (its padded batch size), or None to run it eagerly."""
+        if self.graphs is None or batch.num_tokens != len(batch.seqs):
+            return None
+        if plan is not None and plan.prompt_targets is not None:
+            return None  # prompt positions' logits come from the hidden states an eager step keeps
+        graph_size = self.graphs.batch_size_for(len(batch.seqs))
+        if graph_size is not None and num_updates > graph_size * self.num_groups:
+            return None  # a graph applies a new block per row and KV group; a readmitted sequence brings more
+        return graph_size
 
     def _graph_inputs(self, size: int) -> StepInputs:
         """The step buffers' views for a decode graph of `size` rows, which it captures (what they hold is set
@@ -474,7 +356,7 @@ class ModelRunner:
             if step_mask is not None:
                 step_mask.apply(logits)
             sampled, sampled_lp = self._sample(logits, inputs)
-        self._last.sampled = sampled
+        self.persistent.last_sampled = sampled
         slot = launched.slot
         if slot is None:
             logprobs = StepLogprobs(plan, sampled_lp, launched.prompt_logprobs) if plan else None
@@ -530,11 +412,11 @@ class ModelRunner:
                 penalty = (inputs.penalty_rows[:count], inputs.penalty_slots[:count],
                            inputs.repetition_penalties[:count], inputs.presence_penalties[:count],
                            inputs.frequency_penalties[:count])
-            scores = self.controls.apply(logits, inputs.rows[:len(logits)], inputs.sampling.sample_positions,
+            scores = self.persistent.controls.apply(logits, inputs.rows[:len(logits)], inputs.sampling.sample_positions,
                                          penalty)
         sampled = sample(scores, inputs.sampling)
         if penalty is not None:
-            self.controls.record(sampled, penalty[0], penalty[1])
+            self.persistent.controls.record(sampled, penalty[0], penalty[1])
         sampled_lp = None
         if inputs.num_logprob_rows:
             rows = inputs.logprob_rows[:inputs.num_logprob_rows]

@@ -38,7 +38,6 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from nanovllm.batch import ScheduledBatch
 from nanovllm.config import EngineConfig
 from nanovllm.distributed import (
     COLLECTIVE_TIMEOUT,
@@ -49,10 +48,11 @@ from nanovllm.distributed import (
 )
 from nanovllm.loaders import ResolvedModel
 from nanovllm.models.registry import model_class_for
-from nanovllm.runner.inputs import LaunchedForward, StepHandle, StepInputs
+from nanovllm.runner.inputs import LaunchedForward, StepInputs
 from nanovllm.runner.model_runner import ModelRunner
 from nanovllm.runner.spawn_guard import check_main_guard
 from nanovllm.runner.tp_step import pack, unpack
+from nanovllm.step_types import ScheduledBatch, StepHandle
 
 if TYPE_CHECKING:
     from nanovllm.structured import StepBitmask
@@ -324,7 +324,7 @@ def _worker_main(rank: int, port: int, config: EngineConfig, resolved: ResolvedM
         store = dist.TCPStore(_HOST, port, is_master=False, timeout=COLLECTIVE_TIMEOUT)
         conn.send(("ready", None))
         init_tp_group(rank, config.tensor_parallel_size, store, device)
-        runner = ModelRunner(config, resolved, max_model_len)
+        runner = ModelRunner(config, resolved, max_model_len, eos_token_ids=[])  # rank 0 alone samples
         _serve(runner, conn, device)
         destroy_tp_group()
     except BaseException:  # noqa: BLE001 - reported to rank 0, which raises it; this process just ends

@@ -8,7 +8,7 @@ from transformers.generation.logits_process import (
     SequenceBiasLogitsProcessor,
 )
 
-from nanovllm.layers.logits_processors import (
+from nanovllm.layers.logit_controls import (
     TokenHistory,
     apply_allowed_tokens,
     apply_bad_words,
