@@ -8,7 +8,7 @@ greedy choice may flip where two logits nearly tie: a row may differ only where 
 token within NEAR_TIE of its choice (fp32; bf16 reports the figures without requiring them). Prints one JSON
 object; exits 1 when the check fails.
 
-    CUDA_VISIBLE_DEVICES=0 python scripts/dp_check.py --out /tmp/dp
+    CUDA_VISIBLE_DEVICES=0 python scripts/dp_check.py --out dp-check
 """
 from __future__ import annotations
 

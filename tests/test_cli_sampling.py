@@ -1,4 +1,4 @@
-"""The CLI's sampling fields (issue 14): rows carry logprobs, n, penalties and logit controls; records and
+"""The CLI's sampling fields: rows carry logprobs, n, penalties and logit controls; records and
 OpenAI batch output carry logprobs in OpenAI's exact shapes and one choice per completion."""
 import json
 

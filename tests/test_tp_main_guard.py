@@ -1,5 +1,5 @@
 """A tensor-parallel script without `if __name__ == "__main__":` fails at once with a message saying so, instead of
-"rank 1 died: exit code 1" (issue 19, case 16)."""
+"rank 1 died: exit code 1"."""
 import subprocess
 import sys
 
