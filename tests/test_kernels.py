@@ -326,6 +326,24 @@ def test_backend_routes_prefill_and_decode():
                                    decode.scale), ref)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_backend_gives_a_mixed_steps_decodes_to_the_decode_kernel(num_splits):
+    """A step of three decodes (one of them recomputing a cached token) then two prompt chunks: the decodes go
+    through the decode kernel and the chunks through the prefill kernel, into one output equal to the reference;
+    and equal to the same step run through the prefill kernel alone (num_decodes 0)."""
+    backend = TritonAttentionBackend(DEVICE)
+    mixed = Batch([(50, 1), (7, 1), (33, 1), (10, 30), (0, 5)], 16, 4, 2, 64, torch.float16, seed=10,
+                  recompute=(1,))
+    mixed.meta.num_decodes, mixed.meta.decode_num_splits = 3, num_splits
+    ref, _, _ = mixed.reference()
+    split = backend.forward(mixed.q, mixed.k, mixed.v, mixed.k_cache, mixed.v_cache, mixed.meta, mixed.scale)
+    assert_matches(split, ref)
+    mixed.meta.num_decodes = 0
+    whole = backend.forward(mixed.q, mixed.k, mixed.v, mixed.k_cache, mixed.v_cache, mixed.meta, mixed.scale)
+    assert_matches(whole, ref)
+    torch.testing.assert_close(split, whole, atol=2e-3, rtol=0)
+
+
 def test_choose_num_splits():
     assert choose_num_splits(256, 8, 1024, 132) == 1  # 2048 programs fill the GPU
     assert choose_num_splits(8, 8, 4096, 132) == 5  # 64 programs: ~2 per SM needs 5 splits

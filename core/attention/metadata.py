@@ -21,6 +21,9 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     decode_num_splits: int = 1  # decode kernels split each sequence's KV range this many ways (flash-decoding)
+    # In a step with longer queries too: the leading sequences that compute one token each (running decodes, which
+    # the scheduler puts first). A backend may give them its decode path; decode_num_splits is then theirs.
+    num_decodes: int = 0
     # Per KV group (kv_groups.py) of a model with several: the same step with that group's slots and tables
     # (this object is group 0's). Empty with one group.
     groups: tuple[AttentionMetadata, ...] = ()

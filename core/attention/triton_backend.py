@@ -31,5 +31,13 @@ class TritonAttentionBackend:
         if meta.max_query_len == 1:
             return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
                                           meta.decode_num_splits, **limits)
-        return paged_prefill_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                                       meta.max_query_len, scale, **limits)
+        # A mixed step: its decodes through the decode kernel (split over the KV range, a tile per sequence)
+        # rather than the prefill kernel's query tiles, which would hold one token each and read every block
+        # once per tile; the prompt chunks after them through the prefill kernel, both into one output.
+        decodes = meta.num_decodes
+        out = torch.empty_like(q)
+        if decodes:
+            paged_decode_attention(q[:decodes], k_cache, v_cache, meta.block_tables[:decodes], meta.seq_lens[:decodes],
+                                   scale, meta.decode_num_splits, out=out[:decodes], **limits)
+        return paged_prefill_attention(q, k_cache, v_cache, meta.query_start_loc[decodes:], meta.seq_lens[decodes:],
+                                       meta.block_tables[decodes:], meta.max_query_len, scale, out=out, **limits)

@@ -60,7 +60,8 @@ class StepInputs:
     table_updates: torch.Tensor = buffer(torch.int32, UPDATES, graph=True)
     max_query_len: int
     max_seq_len: int
-    decode_num_splits: int
+    num_decodes: int  # in a step with longer queries too: its leading one-token sequences (AttentionMetadata)
+    decode_num_splits: int  # of the decode kernel: over the whole batch of a decode step, else over num_decodes
     graph_size: int | None  # replay the decode graph of this batch size instead of running eagerly
 
 

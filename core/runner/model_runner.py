@@ -5,6 +5,7 @@ import gc
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from nanovllm.attention import AttentionMetadata, select_backend
@@ -282,6 +283,13 @@ class ModelRunner:
             tokens, sources = self._pending_views(num_gathered)
             views.step["input_ids"].index_put_((tokens,), persistent.last_sampled.index_select(0, sources))
         max_seq_len = int(ends.max())
+        if batch.num_tokens == num_seqs:
+            max_query_len, num_decodes, decode_len = 1, 0, max_seq_len
+        else:
+            num_new = np.asarray(batch.num_new_tokens)
+            longer = np.flatnonzero(num_new != 1)
+            max_query_len, num_decodes = int(num_new.max()), int(longer[0])
+            decode_len = int(ends[:num_decodes].max()) if num_decodes else 1
         prompt_targets = None
         if plan is not None and plan.prompt_targets is not None:
             prompt_targets = torch.from_numpy(plan.prompt_targets).to(self.device, non_blocking=True)
@@ -292,8 +300,8 @@ class ModelRunner:
             num_top_logprobs=plan.num_top if plan else 0, prompt_logprob_targets=prompt_targets,
             num_top_prompt_logprobs=plan.num_top_prompt if plan else 0, num_penalty_rows=num_penalty_rows,
             logit_controls=controls_on,
-            max_query_len=1 if batch.num_tokens == num_seqs else max(batch.num_new_tokens), max_seq_len=max_seq_len,
-            decode_num_splits=self.backend.decode_num_splits(num_seqs, max_seq_len, self.num_kv_heads),
+            max_query_len=max_query_len, max_seq_len=max_seq_len, num_decodes=num_decodes,
+            decode_num_splits=self.backend.decode_num_splits(num_decodes or num_seqs, decode_len, self.num_kv_heads),
             graph_size=graph_size)
 
     def _graph_size(self, batch: ScheduledBatch, plan: LogprobPlan | None, num_updates: int) -> int | None:
@@ -315,8 +323,7 @@ class ModelRunner:
             **views.step, table_updates=self._table_update_views(size * self.num_groups),
             sampling=SamplingTensors(**views.sampling, all_greedy=True, any_filter=False), num_logprob_rows=0,
             num_top_logprobs=0, prompt_logprob_targets=None, num_top_prompt_logprobs=0, num_penalty_rows=0,
-            logit_controls=False, max_query_len=1,
-            max_seq_len=self.max_model_len,
+            logit_controls=False, max_query_len=1, max_seq_len=self.max_model_len, num_decodes=0,
             decode_num_splits=self.backend.decode_num_splits(size, self.max_model_len, self.num_kv_heads),
             graph_size=size)
 
@@ -394,7 +401,7 @@ class ModelRunner:
                     inputs.rows, self.num_groups, -(-inputs.max_seq_len // self.block_size)),
                 query_start_loc=inputs.query_start_loc, seq_lens=inputs.seq_lens,
                 max_query_len=inputs.max_query_len, max_seq_len=inputs.max_seq_len,
-                decode_num_splits=inputs.decode_num_splits)
+                decode_num_splits=inputs.decode_num_splits, num_decodes=inputs.num_decodes)
             hidden = self.model(inputs.input_ids, inputs.positions, meta)
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
             if inputs.prompt_logprob_targets is not None:
