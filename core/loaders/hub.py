@@ -38,9 +38,11 @@ def offline() -> bool:
     return is_offline_mode() or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
 
 
-def snapshot_dir(repo_id: str, revision: str | None, load_format: str) -> Path:
-    """The local folder of `repo_id` at `revision` (default: main), downloaded into the cache if needed.
-    Raises ValueError saying what is missing and how to get it."""
+def snapshot_dir(repo_id: str, revision: str | None, load_format: str, patterns: list[str] | None = None,
+                 what: str = "model") -> Path:
+    """The local folder of `repo_id` at `revision` (default: main), downloaded into the cache if needed: the files
+    a model needs, or those `patterns` name (a LoRA adapter's; `what` names the repository in errors). Raises
+    ValueError saying what is missing and how to get it."""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -50,8 +52,9 @@ def snapshot_dir(repo_id: str, revision: str | None, load_format: str) -> Path:
     )
     from huggingface_hub.file_download import REGEX_COMMIT_HASH
 
-    patterns = CONFIG_FILES + ([] if load_format == "dummy" else WEIGHT_FILES)
-    at = f"{repo_id!r} at revision {revision or 'main'!r}"
+    if patterns is None:
+        patterns = CONFIG_FILES + ([] if load_format == "dummy" else WEIGHT_FILES)
+    at = f"{what} {repo_id!r} at revision {revision or 'main'!r}"
     no_hub = offline()
     try:
         if revision is not None and REGEX_COMMIT_HASH.fullmatch(revision) and not no_hub:
@@ -64,13 +67,14 @@ def snapshot_dir(repo_id: str, revision: str | None, load_format: str) -> Path:
     except LocalEntryNotFoundError as exc:  # also a partial snapshot (IncompleteSnapshotError)
         why = "HF_HUB_OFFLINE is set" if no_hub else "the Hugging Face Hub cannot be reached"
         raise ValueError(
-            f"model {at} is not (completely) in the Hugging Face cache {constants.HF_HUB_CACHE} and {why}: download "
+            f"{at} is not (completely) in the Hugging Face cache {constants.HF_HUB_CACHE} and {why}: download "
             f"it where there is network (`hf download {repo_id}` with HF_HUB_CACHE pointing at a folder this host "
             f"sees), or pass a local checkpoint folder ({type(exc).__name__})") from None
     except GatedRepoError:
-        raise ValueError(f"model {at} is gated: accept its terms on the Hub and set HF_TOKEN") from None
+        raise ValueError(f"{at} is gated: accept its terms on the Hub and set HF_TOKEN") from None
     except RevisionNotFoundError:
-        raise ValueError(f"model {repo_id!r} has no revision {revision!r} on the Hub") from None
+        raise ValueError(f"{what} {repo_id!r} has no revision {revision!r} on the Hub") from None
     except RepositoryNotFoundError:
-        raise ValueError(f"model {repo_id!r} is neither a local path, a preset nor a Hub repository (or it is "
-                         "private: set HF_TOKEN)") from None
+        kinds = "a local path, a preset" if what == "model" else "a local path"
+        raise ValueError(f"{what} {repo_id!r} is neither {kinds} nor a Hub repository (or it is private: set "
+                         "HF_TOKEN)") from None
