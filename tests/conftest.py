@@ -16,21 +16,24 @@ PRESETS = Path(__file__).resolve().parent.parent / "core" / "presets"
 
 
 def save_random_hf_model(preset: str | dict, directory: Path, seed: int = 0, initializer_range: float = 0.15,
-                         dtype: torch.dtype = torch.float32, max_shard_size: str = "200KB") -> Path:
+                         dtype: torch.dtype = torch.float32, max_shard_size: str = "200KB",
+                         auto_class: str = "AutoModelForCausalLM") -> Path:
     """A random-weight HF model of a preset's shape (or of a config dict with its model_type), saved as sharded
-    safetensors (the loader's input).
+    safetensors (the loader's input). `auto_class`: the transformers auto class that builds it (AutoModel for a
+    bare base model, AutoModelForSequenceClassification, ...).
 
     A wide init spreads the logits so that greedy choices are not near-ties that rounding could flip."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    import transformers
+    from transformers import AutoConfig
 
     config_dict = dict(preset) if isinstance(preset, dict) else json.loads((PRESETS / f"{preset}.json").read_text())
     config_dict["initializer_range"] = initializer_range
     config = AutoConfig.for_model(**config_dict)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model = getattr(transformers, auto_class).from_config(config, dtype=dtype)
     with torch.no_grad():  # HF initialises norms to 1 and biases to 0: perturb them so their loading is tested
         for name, param in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name.lower():
                 param.normal_(1.0, 0.1)
             elif name.endswith("bias"):
                 param.normal_(0.0, 0.1)

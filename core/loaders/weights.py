@@ -11,8 +11,9 @@ from torch import nn
 from nanovllm.layers.fp8 import FP8_DTYPE, Fp8Scheme
 from nanovllm.loaders.fp8_weights import finish_fp8, prepare_fp8
 
-# Checkpoint tensors with no parameter in our model: rotary tables are recomputed.
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Checkpoint tensors with no parameter in our model: rotary tables and the position / token-type id buffers older
+# BERT checkpoints saved are recomputed.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "embeddings.position_ids", "embeddings.token_type_ids")
 # One expert's matrix in an MoE checkpoint: `<layer>.experts.<index>.<projection>.weight`.
 _EXPERT_TENSOR = re.compile(r"^(?P<experts>.+\.experts)\.(?P<index>\d+)\.(?P<projection>\w+)\.weight$")
 # Stacked expert parameter of each part (models/moe.py's `expert_projections` name the parts).
@@ -71,6 +72,24 @@ def checkpoint_target(model: nn.Module, name: str) -> tuple[str, object]:
     return name, None
 
 
+def parameter_name(model: nn.Module, target: str, params: dict) -> str | None:
+    """The model parameter a checkpoint target names, across the base-model prefix: a task model (`model.`,
+    `bert.`, `roberta.`: the model's `base_model_prefix`) saved as its bare base model, or the reverse; None for a
+    tensor the model declares unused (`ignored_checkpoint_prefixes`, e.g. an embedder's LM head)."""
+    base = getattr(model, "base_model_prefix", None)
+    candidates = [target]
+    if base is not None:
+        prefix = f"{base}."
+        candidates.append(target.removeprefix(prefix) if target.startswith(prefix) else prefix + target)
+    for name in candidates:
+        if name in params:
+            return name
+    ignored = getattr(model, "ignored_checkpoint_prefixes", ())
+    if ignored and any(name.startswith(ignored) for name in candidates):
+        return None
+    return target
+
+
 def load_safetensors_weights(model: nn.Module, directory: Path) -> None:
     """Load every `*.safetensors` shard of an HF checkpoint directory, one tensor at a time.
 
@@ -91,6 +110,9 @@ def load_safetensors_weights(model: nn.Module, directory: Path) -> None:
                 if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
                     continue
                 target, part = checkpoint_target(model, name)
+                target = parameter_name(model, target, params)
+                if target is None:
+                    continue
                 if target not in params:
                     raise ValueError(f"checkpoint tensor {name!r} in {file.name} matches no model parameter")
                 param, loader = params[target]

@@ -5,14 +5,16 @@ Dense: every decode step reads all the weights. Mixture of experts: a step reads
 (attention, norms, routers, dense MLPs, shared experts, the LM head) plus, in each MoE layer, the distinct experts
 its tokens select. Under uniform routing, B tokens that each pick k of E experts select on average
 E (1 - (1 - k/E)^B) distinct ones. A token's matmul FLOPs are 2 x its active parameters: the shared matrices and
-k experts per MoE layer. The input embedding table is only gathered from (not read whole, no matmul) unless it
-is tied to the LM head."""
+k experts per MoE layer. Embedding tables (words; an encoder's positions and token types) are only gathered from
+(not read whole, no matmul) unless tied to the LM head. A pooling model has no LM head; its classifier head, if any,
+is a matrix like the others (applied to pooled rows only, which the per-token count overstates by its size)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from torch import nn
 
+from nanovllm.layers.embedding import VocabParallelEmbedding
 from nanovllm.layers.moe import SparseMoeBlock
 
 
@@ -48,16 +50,16 @@ class WeightCosts:
 
 
 def weight_costs(model: nn.Module) -> WeightCosts:
-    """The costs of a built model (`model.model.embed_tokens`, `model.lm_head`, MoE blocks anywhere)."""
-    embedding = model.model.embed_tokens.weight
-    tied = model.lm_head.weight is embedding
+    """The costs of a built model (embedding tables, `model.lm_head` where it has one, MoE blocks anywhere)."""
+    head = getattr(model, "lm_head", None)
+    tables = {id(m.weight): m.weight for m in model.modules()
+              if isinstance(m, (nn.Embedding, VocabParallelEmbedding)) and m is not head
+              and (head is None or m.weight is not head.weight)}
     blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
     expert_params = {id(p) for block in blocks for p in block.experts.parameters()}
     shared = [p for p in model.parameters() if id(p) not in expert_params]  # tied weights counted once
-    untied_embedding = 0 if tied else 1
-    shared_bytes = sum(p.numel() * p.element_size() for p in shared) - untied_embedding * embedding.numel() * \
-        embedding.element_size()
-    shared_matmul = sum(p.numel() for p in shared if p.dim() == 2) - untied_embedding * embedding.numel()
+    shared_bytes = sum(p.numel() * p.element_size() for p in shared if id(p) not in tables)
+    shared_matmul = sum(p.numel() for p in shared if p.dim() == 2 and id(p) not in tables)
     layers = []
     for block in blocks:
         experts = block.experts

@@ -206,8 +206,13 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.fused_ops = fused_ops
         self.model = LlamaModel(config, spec, fused_ops, self.mlp_for_layer)
+        self.init_head(config)
+
+    def init_head(self, config) -> None:
+        """The head on the final hidden states (`compute_logits`): the LM head, tied to the embeddings where the
+        config says so. The pooling variants of a family (models/decoder_pooling.py) put theirs here instead."""
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        self.final_logit_softcap = spec.final_logit_softcap
+        self.final_logit_softcap = self.spec.final_logit_softcap
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
