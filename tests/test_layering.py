@@ -19,8 +19,8 @@ LAYERS = {
     "nanovllm.attention": 2, "nanovllm.structured": 2,
     "nanovllm.layers": 3, "nanovllm.sampling_params": 3,
     "nanovllm.models": 4, "nanovllm.config": 4, "nanovllm.step_types": 4,
-    "nanovllm.loaders": 5,
-    "nanovllm.tokenization": 6,
+    "nanovllm.loaders": 5, "nanovllm.pooling": 5,
+    "nanovllm.tokenization": 6, "nanovllm.lora": 6,
     "nanovllm.runner": 7, "nanovllm.engine": 7,
     "nanovllm": 8,  # the package itself: the public API
     "nanovllm_cli": 9,
@@ -61,9 +61,9 @@ def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
 
 
 def part_of(module: str) -> str:
-    """The most specific entry of LAYERS that `module` belongs to."""
+    """The most specific entry of LAYERS that `module` belongs to ("nanovllm" alone is the package's __init__)."""
     parts = module.split(".")
-    for end in range(len(parts), 0, -1):
+    for end in range(len(parts), 1 if parts[0] == "nanovllm" and len(parts) > 1 else 0, -1):
         prefix = ".".join(parts[:end])
         if prefix in LAYERS:
             return prefix
