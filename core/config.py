@@ -21,7 +21,7 @@ class EngineConfig:
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8" (= "fp8_e4m3") or "fp8_e5m2" (docs/FP8.md)
     max_model_len: int | None = None
-    max_num_seqs: int = 256
+    max_num_seqs: int | None = None  # None: chosen from the KV cache on a GPU (runner/memory_budget.py), 256 on the CPU
     max_num_batched_tokens: int = 8192
     block_size: int = 16
     num_kv_blocks: int | None = None
@@ -65,7 +65,7 @@ class EngineConfig:
         check(self.dtype in _DTYPES, "dtype", f"must be one of {sorted(_DTYPES)}")
         check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", f"must be one of {list(KV_CACHE_DTYPES)}")
         positive_int("max_model_len", optional=True)
-        positive_int("max_num_seqs")
+        positive_int("max_num_seqs", optional=True)
         positive_int("max_num_batched_tokens")
         positive_int("block_size")
         check(self.block_size & (self.block_size - 1) == 0, "block_size", "must be a power of two")

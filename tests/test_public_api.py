@@ -83,3 +83,11 @@ def test_public_names_exist_and_engine_info_is_complete():
     assert info.decode_batch_sizes == (1, 2, 4, 6) and not info.cuda_graphs and info.tensor_parallel_size == 1
     assert info.kv_block_bytes == 8 * info.costs.kv_bytes_per_token
     assert report["kv_cache"]["num_kv_blocks"] == 40 and report["steps"]["steps"] == 0
+    phases = info.startup_s
+    assert {"resolve", "load_weights", "worst_step", "total"} <= set(phases)
+    assert 0 <= phases["resolve"] + phases["load_weights"] + phases["worst_step"] <= phases["total"]
+
+
+def test_the_cpu_default_batch_is_256():
+    with LLM("tiny-qwen3", load_format="dummy", max_model_len=128, num_kv_blocks=40) as llm:
+        assert llm.info.max_num_seqs == 256

@@ -55,6 +55,9 @@ class EngineInfo:
     prefix_caching: bool
     quantization: str | None  # the FP8 weight scheme (layers/fp8.py), None: weights in `dtype`
     costs: CostModel
+    # Seconds of each phase of `LLM()` (model and tokenizer resolution, weights, the worst step measured before
+    # the cache is sized, CUDA graph capture) and their total.
+    startup_s: dict[str, float]
 
 
 def model_costs(hf_config, model: torch.nn.Module, kv_cache_dtype: torch.dtype) -> CostModel:

@@ -45,6 +45,7 @@ class LLM:
     """Offline batch generation: `generate`/`chat` for whole batches, or `add_request` + `step` to stream."""
 
     def __init__(self, model: str | None = None, **engine_args):
+        started = time.perf_counter()
         self._runner: ModelRunner | None = None
         self._workers = None
         self._grammars: GrammarCompileCache | None = None  # made on the first constrained request
@@ -56,6 +57,7 @@ class LLM:
         self.tokenizer = self.prompts.tokenizer
         self._outputs = OutputAssembler(self.tokenizer)
         self.max_model_len = self._max_model_len()
+        self._startup_s = {"resolve": time.perf_counter() - started}
         self._workers = start_workers(self.config, resolved, self.max_model_len)  # tensor-parallel ranks 1..N-1
         try:
             with self._workers.guard() if self._workers else nullcontext():  # a worker's error, not a broken collective
@@ -63,9 +65,10 @@ class LLM:
         except BaseException:
             self.exit()
             raise
+        self._startup_s.update(self._runner.startup_s)
         self._block_manager = BlockManager(self._runner.num_kv_blocks, self.config.block_size,
                                            self.config.enable_prefix_caching, windows=self._runner.kv_groups.windows)
-        self._scheduler = Scheduler(self._block_manager, self.config.max_num_seqs,
+        self._scheduler = Scheduler(self._block_manager, self._runner.max_num_seqs,
                                     self.config.max_num_batched_tokens, self.max_model_len, self._eos_token_ids(),
                                     StopStringDetector(self.tokenizer) if self.tokenizer is not None else None)
         self._loop = StepLoop(self._scheduler,
@@ -74,6 +77,7 @@ class LLM:
         self._seed_rng = random.Random(self.config.seed)
         self._seq_ids = itertools.count()
         self._broken: str | None = None  # why a failed step left the engine unable to run
+        self._startup_s["total"] = time.perf_counter() - started
 
     def _max_model_len(self) -> int:
         limit = self.hf_config.max_position_embeddings
@@ -238,13 +242,13 @@ class LLM:
             dtype=str(runner.dtype).removeprefix("torch."),
             kv_cache_dtype=str(runner.kv_cache_dtype).removeprefix("torch."),
             tensor_parallel_size=config.tensor_parallel_size, attention_backend=runner.attention_backend,
-            max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len, max_num_seqs=runner.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, block_size=config.block_size,
             num_kv_blocks=runner.num_kv_blocks, kv_block_bytes=runner.kv_block_bytes,
             max_batch_size=runner.max_batch_size, decode_batch_sizes=runner.decode_batch_sizes,
             cuda_graphs=runner.graphs is not None, prefix_caching=config.enable_prefix_caching,
             quantization=runner.fp8.name if runner.fp8 is not None else None,
-            costs=model_costs(self.hf_config, runner.model, runner.kv_cache_dtype))
+            costs=model_costs(self.hf_config, runner.model, runner.kv_cache_dtype), startup_s=dict(self._startup_s))
 
     def report(self) -> dict:
         """`get_stats()`, `get_metrics()` and live token counters in one dict: {"steps", "kv_cache", "tokens"}."""

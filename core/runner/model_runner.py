@@ -2,7 +2,9 @@ from __future__ import annotations
 
 import functools
 import gc
+import time
 from dataclasses import dataclass, fields
+from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -22,7 +24,15 @@ from nanovllm.models.registry import model_class_for
 from nanovllm.runner.cuda_graphs import DecodeGraphs, batch_size_ladder
 from nanovllm.runner.inputs import LaunchedForward, SamplingTensors, StepInputs
 from nanovllm.runner.logprob_step import copy_to_host, plan_logprobs
-from nanovllm.runner.memory_budget import EngineMemoryMeter, kv_cache_bytes, release_process_workspaces
+from nanovllm.runner.memory_budget import (
+    MAX_AUTO_NUM_SEQS,
+    MIN_AUTO_NUM_SEQS,
+    EngineMemoryMeter,
+    WorstStep,
+    auto_max_num_seqs,
+    kv_cache_bytes,
+    release_process_workspaces,
+)
 from nanovllm.runner.persistent_batch import PersistentBatch
 from nanovllm.runner.step_buffers import (
     GROUP_TOKENS,
@@ -36,6 +46,7 @@ from nanovllm.runner.step_buffers import (
     buffer_fields,
     sliced_views,
 )
+from nanovllm.sampling_params import MAX_LOGPROBS
 from nanovllm.step_types import LogprobPlan, ScheduledBatch, StepHandle, StepLogprobs
 
 if TYPE_CHECKING:
@@ -87,6 +98,8 @@ class ModelRunner:
     """Executes scheduled batches: builds the model, owns the KV cache, prepares inputs, runs forward + sampling."""
 
     def __init__(self, config: EngineConfig, resolved: ResolvedModel, max_model_len: int, eos_token_ids: list[int]):
+        started = time.perf_counter()
+        self.startup_s: dict[str, float] = {}  # seconds of each phase of building the runner (LLM.info)
         self.config = config
         self.hf_config = resolved.hf_config
         self.device = config.resolve_device()
@@ -114,10 +127,13 @@ class ModelRunner:
             torch.set_default_dtype(default_dtype)
         load_weights(self.model, resolved.weights_dir, self.fp8, seed=config.seed)
         self.model.eval()
+        self.startup_s["load_weights"] = time.perf_counter() - started
         self.kv_groups = plan_kv_groups([layer.sliding_window for layer in self.model.attention_layers()])
         self.num_groups = self.kv_groups.num_groups
 
+        started = time.perf_counter()
         self.num_kv_blocks = config.num_kv_blocks or min_over_ranks(self._kv_budget_blocks())  # TP: fits every rank
+        self.startup_s["worst_step"] = time.perf_counter() - started
         needed = max_blocks_held(self.kv_groups.windows, max_model_len, self.block_size, config.max_num_batched_tokens)
         if self.num_kv_blocks < needed:  # checked before anything (CUDA graphs included) touches the cache
             raise ValueError(
@@ -129,7 +145,8 @@ class ModelRunner:
         self._bind_kv_cache(self.kv_cache)
         self.attention_backend = backend.name
 
-        self.max_batch_size = min(config.max_num_seqs, config.max_num_batched_tokens)
+        self.max_num_seqs = config.max_num_seqs or self._default_max_num_seqs()
+        self.max_batch_size = min(self.max_num_seqs, config.max_num_batched_tokens)
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.buffers = StepBuffers(self._buffer_fields(), self.device)
         self.persistent = PersistentBatch(self.max_batch_size, self.max_blocks_per_seq, self.num_groups,
@@ -152,9 +169,11 @@ class ModelRunner:
             self._next_slot = 0
         self._bitmask: BatchBitmask | None = None  # structured outputs' masks, made on the first constrained step
         self.graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and not config.enforce_eager and backend.supports_cuda_graphs:
+        if self._uses_graphs:
+            started = time.perf_counter()
             self.graphs = DecodeGraphs(self.model, self._graph_inputs, self.tables, self.max_batch_size,
                                        max_model_len, self.block_size, self.num_groups)
+            self.startup_s["cuda_graphs"] = time.perf_counter() - started
 
     def release(self) -> None:
         """Free the device memory (weights, KV cache, CUDA graphs, step buffers); the runner runs no more steps."""
@@ -195,23 +214,38 @@ class ModelRunner:
         return kv_block_bytes(self.hf_config, self.block_size, self.kv_cache_dtype.itemsize, self.num_kv_heads,
                               self.kv_groups.width)
 
+    @property
+    def _uses_graphs(self) -> bool:
+        return self.device.type == "cuda" and not self.config.enforce_eager and self.backend.supports_cuda_graphs
+
+    def _default_max_num_seqs(self) -> int:
+        """The batch when the user sets none: on a GPU as large as the cache allows (memory_budget.py), on the
+        CPU (a reference path with a small fixed budget) the smallest default."""
+        if self.device.type == "cpu":
+            return MIN_AUTO_NUM_SEQS
+        return min_over_ranks(auto_max_num_seqs(self.num_kv_blocks * self.block_size))
+
     def _kv_budget_blocks(self) -> int:
         if self.device.type == "cpu":
             return self.config.cpu_kv_cache_bytes // self.kv_block_bytes
         meter = EngineMemoryMeter(self.device)
-        meter.start_peak()
-        self._warmup_forward()  # at the largest token batch: its peak is what a step may need besides the cache
-        budget = kv_cache_bytes(meter.measure(self.model), self.config.gpu_memory_utilization)
-        torch.cuda.empty_cache()
+        # The worst step of the largest batch this engine may choose (it reserves at least the chosen one's).
+        rows = min(self.config.max_num_seqs or MAX_AUTO_NUM_SEQS, self.config.max_num_batched_tokens)
+        scratch = self._allocate_kv_cache(1)  # every write skipped, every table entry pointing at it: real
+        self._bind_kv_cache(scratch)          # shapes reading valid memory, touching no real KV
+        worst = WorstStep(activations=meter.peak_of(lambda: self._sample_worst(self._warmup_forward(
+                              self.config.max_num_batched_tokens, rows))),
+                          graph_pool=meter.peak_of(lambda: self._warmup_forward(rows, rows)) if self._uses_graphs else 0)
+        del scratch
+        self._bind_kv_cache(None)
+        budget = kv_cache_bytes(meter.measure(self.model, worst), self.config.gpu_memory_utilization)
         return budget // self.kv_block_bytes
 
     @torch.inference_mode()
-    def _warmup_forward(self) -> None:
-        num_tokens = min(self.config.max_num_batched_tokens, self.config.max_num_seqs * self.max_model_len)
-        num_seqs = max(min(self.config.max_num_seqs, num_tokens // self.max_model_len), 1)
-        # A one-block scratch cache with every write skipped and every table entry pointing at it: the forward
-        # has real shapes and reads valid memory, but touches no real KV.
-        self._bind_kv_cache(self._allocate_kv_cache(1))
+    def _warmup_forward(self, num_tokens: int, num_seqs: int) -> torch.Tensor:
+        """The logits of a forward of `num_tokens` tokens over `num_seqs` sequences (each within max_model_len),
+        every sequence's last token sampled, on the scratch cache."""
+        num_tokens = min(num_tokens, num_seqs * self.max_model_len)
         lens = [num_tokens // num_seqs] * num_seqs
         lens[-1] += num_tokens - sum(lens)
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
@@ -225,7 +259,29 @@ class ModelRunner:
             query_start_loc=starts, seq_lens=torch.tensor(lens, dtype=torch.int32, device=self.device),
             max_query_len=max(lens), max_seq_len=max(lens))
         hidden = self.model(ids, positions, meta)
-        self.model.compute_logits(hidden[starts[1:] - 1])
+        return self.model.compute_logits(hidden[starts[1:] - 1])
+
+    @torch.inference_mode()
+    def _sample_worst(self, logits: torch.Tensor) -> None:
+        """Sampling's heaviest path on every row of `logits`: a structured-output mask on each, the float32 copy
+        the logit controls edit, every filter, and the most logprobs a row may ask (so their workspaces are in
+        the measured peak, and their kernels are compiled before any job runs)."""
+        from nanovllm.kernels.token_bitmask import apply_token_bitmask, bitmask_width  # CUDA only: Triton
+
+        rows = len(logits)
+        every_row = torch.arange(rows, device=self.device)
+        apply_token_bitmask(logits, torch.full((rows, bitmask_width(self.vocab_size)), -1, dtype=torch.int32,
+                                               device=self.device), every_row)
+        scores = logits.float()
+        settings = SimpleNamespace(
+            temperatures=torch.full((rows,), 0.8, device=self.device),
+            top_k=torch.full((rows,), 50, dtype=torch.int64, device=self.device),
+            top_p=torch.full((rows,), 0.9, device=self.device), min_p=torch.full((rows,), 0.05, device=self.device),
+            seeds=torch.arange(rows, dtype=torch.int64, device=self.device),
+            sample_positions=torch.zeros(rows, dtype=torch.int64, device=self.device),
+            all_greedy=False, any_filter=True)
+        sampled = sample(scores, settings)
+        compute_logprobs(logits, sampled, MAX_LOGPROBS)
 
     def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         """K and V of `num_blocks` blocks of the KV groups' width (kv_groups.py)."""
@@ -233,10 +289,10 @@ class ModelRunner:
         shape = (2, self.kv_groups.width, num_blocks, self.block_size, kv_heads_per_rank(hf), head_dim_of(hf))
         return torch.empty(shape, dtype=self.kv_cache_dtype, device=self.device)
 
-    def _bind_kv_cache(self, cache: torch.Tensor) -> None:
-        """Point every attention layer at its slot of `cache` and its KV group."""
+    def _bind_kv_cache(self, cache: torch.Tensor | None) -> None:
+        """Point every attention layer at its slot of `cache` (None: at none) and its KV group."""
         for layer, (group, slot) in zip(self.model.attention_layers(), self.kv_groups.layer_slots):
-            layer.k_cache, layer.v_cache = cache[0, slot], cache[1, slot]
+            layer.k_cache, layer.v_cache = (None, None) if cache is None else (cache[0, slot], cache[1, slot])
             layer.kv_group = group
             layer.backend = self.backend
 
