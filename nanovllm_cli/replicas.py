@@ -1,7 +1,7 @@
 """Data parallelism on one host: N engine replicas as spawned worker processes, fed prefix groups by the parent.
 
-The parent reads, checks and tokenizes the rows and writes every record (`runner.BatchRunner`, as with one
-engine); a `ReplicaPool` stands in for the engine. Each replica runs the same `runner.EngineFeeder` a single
+The parent reads, checks and tokenizes the rows and writes every record (`job.BatchRunner`, as with one
+engine); a `ReplicaPool` stands in for the engine. Each replica runs the same `job.EngineFeeder` a single
 engine runs, fed through a pipe:
 
 - placement (`plan_replicas`): on GPUs replica i gets the visible GPUs [i*TP, (i+1)*TP) through
@@ -15,7 +15,7 @@ engine runs, fed through a pipe:
   chunks of that size (contiguous in token order, so longer shared prefixes stay together). Each group goes to
   the replica with the fewest outstanding tokens (prompt + max_tokens of its rows not yet answered) among those
   with room (fewer than 2 x max_num_seqs rows outstanding), which bounds memory and keeps every engine fed.
-- failures: a replica isolates the row that fails a step as one engine does (runner.EngineFeeder); a replica
+- failures: a replica isolates the row that fails a step as one engine does (job.EngineFeeder); a replica
   whose engine cannot run any more reports the rows in it and those waiting to be rerun (error records); a
   replica that dies (killed, crashed, out of memory) ends the job with `ReplicaFailed` naming it (index, pid,
   devices) and its error. Either way the other replicas are stopped and what is written stays (`--resume`).
@@ -42,9 +42,9 @@ from multiprocessing.process import BaseProcess
 from nanovllm import EngineInfo, PromptTokenizer
 from nanovllm_cli import options as o
 from nanovllm_cli.admission import PrefixGroup
+from nanovllm_cli.job import EngineFailure, EngineFeeder, Finished, JobFailed, RowFailure
 from nanovllm_cli.options import EngineOptions
 from nanovllm_cli.rows import RowRequest
-from nanovllm_cli.runner import EngineFailure, EngineFeeder, Finished, JobFailed, RowFailure
 
 MAX_SHARED_UTILIZATION = 0.95  # the most the replicas sharing a GPU may ask of it together
 DEFAULT_UTILIZATION = 0.9  # the engine's default gpu_memory_utilization
@@ -216,7 +216,7 @@ def request_tokens(request: RowRequest) -> int:
 
 
 class ReplicaPool:
-    """N replicas behind the `runner.Engine` interface; use as a context manager (it stops the replicas)."""
+    """N replicas behind the `job.Engine` interface; use as a context manager (it stops the replicas)."""
 
     def __init__(self, model: str | None, engine_args: dict, prompts: PromptTokenizer, placements: list[Placement]):
         self.prompts = prompts

@@ -268,8 +268,8 @@ def test_dispatch_sends_each_group_whole_to_the_replica_with_the_fewest_outstand
 
     from nanovllm import SamplingParams
     from nanovllm_cli.admission import PrefixGroup
+    from nanovllm_cli.job import RowFailure
     from nanovllm_cli.rows import RowRequest
-    from nanovllm_cli.runner import RowFailure
 
     def group(name, rows, prompt_len, max_tokens=10):
         return PrefixGroup(deque(RowRequest(f"{name}{i}", f"line {i}", "token_ids", [], SamplingParams(
