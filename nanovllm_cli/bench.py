@@ -108,8 +108,8 @@ def run_on_replicas(pool, workload: Workload, overlap: bool, warmup_seed: int | 
 
     from nanovllm import SamplingParams
     from nanovllm_cli.admission import admission_groups
+    from nanovllm_cli.job import RowFailure
     from nanovllm_cli.rows import RowRequest
-    from nanovllm_cli.runner import RowFailure
 
     pool.call(prepare_replica, overlap, warmup_seed, sampling)
     settings = {"temperature": 0, **sampling}
@@ -248,7 +248,7 @@ def bench(
         for overlap in modes:
             label = "async" if overlap else "sync"
             if replicated:
-                from nanovllm_cli.runner import EngineFailure, JobFailed
+                from nanovllm_cli.job import EngineFailure, JobFailed
 
                 try:
                     results[label] = run_on_replicas(llm, workload, overlap, seed if warmup else None, sampling)

@@ -76,7 +76,7 @@ def histogram(lengths: Counter[int]) -> list[dict]:
 class CacheAnalysis:
     """Accumulates the rows of a file; `report` gives the figures."""
 
-    def __init__(self, block_size: int, num_blocks: int, window: int, kv_windows: tuple[int | None, ...] = (None,)):
+    def __init__(self, block_size: int, num_blocks: int, window: int, kv_windows: tuple[int | None, ...]):
         self.block_size = block_size
         self.window = window  # run's read-ahead window: the span prefix-aware ordering sorts
         self.prompt_lengths: Counter[int] = Counter()

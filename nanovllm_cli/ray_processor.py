@@ -137,8 +137,8 @@ class LLMProcessor:
     def __call__(self, batch) -> pa.Table:
         import pyarrow as pa
 
+        from nanovllm_cli.job import BatchRunner, EngineFeeder, RunStats
         from nanovllm_cli.records import RecordBuilder
-        from nanovllm_cli.runner import BatchRunner, EngineFeeder, RunStats
 
         rows: list[tuple[RowRequest | RowError, str]] = []  # each row parsed, and its fingerprint
         anonymous: set[str] = set()  # the ids given to rows without one (their records' id is null)

@@ -1,21 +1,17 @@
 """Data parallelism on one host: N engine replicas as spawned worker processes, fed prefix groups by the parent.
 
-The parent reads, checks and tokenizes the rows and writes every record (`runner.BatchRunner`, as with one
-engine); a `ReplicaPool` stands in for the engine. Each replica runs the same `runner.EngineFeeder` a single
+The parent reads, checks and tokenizes the rows and writes every record (`job.BatchRunner`, as with one
+engine); a `ReplicaPool` stands in for the engine. Each replica runs the same `job.EngineFeeder` a single
 engine runs, fed through a pipe:
 
-- placement (`plan_replicas`): on GPUs replica i gets the visible GPUs [i*TP, (i+1)*TP) through
-  CUDA_VISIBLE_DEVICES, set before the process starts. More replicas than GPU sets share them round-robin, when
-  the memory fits: the replicas on one GPU ask gpu_memory_utilization u each (an engine's share of the device)
-  and together at most 0.95; they start one after another, so that each measures its free memory with the
-  caches of those before it allocated. On the CPU there are N processes, the cores split
-  between them (OMP_NUM_THREADS, unless set).
+- placement (`placement.plan_replicas`): the devices, memory share and environment each replica is born with;
+  replicas sharing GPUs start one after another.
 - dispatch: a prefix group (rows sharing their first KV block, `admission.admission_groups`) goes whole to one
   replica, so its prefix cache serves the followers; a group larger than a replica's max_num_seqs is cut into
   chunks of that size (contiguous in token order, so longer shared prefixes stay together). Each group goes to
   the replica with the fewest outstanding tokens (prompt + max_tokens of its rows not yet answered) among those
   with room (fewer than 2 x max_num_seqs rows outstanding), which bounds memory and keeps every engine fed.
-- failures: a replica isolates the row that fails a step as one engine does (runner.EngineFeeder); a replica
+- failures: a replica isolates the row that fails a step as one engine does (job.EngineFeeder); a replica
   whose engine cannot run any more reports the rows in it and those waiting to be rerun (error records); a
   replica that dies (killed, crashed, out of memory) ends the job with `ReplicaFailed` naming it (index, pid,
   devices) and its error. Either way the other replicas are stopped and what is written stays (`--resume`).
@@ -25,9 +21,7 @@ engine runs, fed through a pipe:
 from __future__ import annotations
 
 import contextlib
-import math
 import multiprocessing as mp
-import os
 import queue
 import signal
 import threading
@@ -42,12 +36,11 @@ from multiprocessing.process import BaseProcess
 from nanovllm import EngineInfo, PromptTokenizer
 from nanovllm_cli import options as o
 from nanovllm_cli.admission import PrefixGroup
+from nanovllm_cli.job import EngineFailure, EngineFeeder, Finished, JobFailed, RowFailure
 from nanovllm_cli.options import EngineOptions
+from nanovllm_cli.placement import Placement, PlacementError, born_with, plan_replicas, visible_gpus
 from nanovllm_cli.rows import RowRequest
-from nanovllm_cli.runner import EngineFailure, EngineFeeder, Finished, JobFailed, RowFailure
 
-MAX_SHARED_UTILIZATION = 0.95  # the most the replicas sharing a GPU may ask of it together
-DEFAULT_UTILIZATION = 0.9  # the engine's default gpu_memory_utilization
 REPORT_INTERVAL_S = 0.5  # how often a replica sends its engine report (progress figures)
 WAIT_S = 0.25  # longest wait for replicas' messages in one `step()` (the display ticks between)
 STOP_TIMEOUT_S = 30.0  # for replicas to leave after a stop message
@@ -55,56 +48,6 @@ STOP_TIMEOUT_S = 30.0  # for replicas to leave after a stop message
 
 class ReplicaFailed(JobFailed):
     """A replica died or failed: the job ends (exit 3)."""
-
-
-class PlacementError(ValueError):
-    """The replicas do not fit the visible devices; the message says what to change."""
-
-
-@dataclass(frozen=True)
-class Placement:
-    devices: tuple[str, ...] | None  # CUDA_VISIBLE_DEVICES of the replica; None on the CPU
-    gpu_memory_utilization: float | None  # what the replica asks; None: the engine's default
-    wave: int  # replicas start wave by wave: those sharing GPUs one after another
-    env: tuple[tuple[str, str], ...] = ()  # environment the replica is born with
-
-
-def plan_replicas(size: int, tp: int, on_gpu: bool, visible: list[str], utilization: float | None) -> list[Placement]:
-    """Where each of `size` replicas of `tp` GPUs runs (see the module docstring). `visible`: the GPUs this
-    process sees, as CUDA_VISIBLE_DEVICES entries."""
-    if not on_gpu:  # the cores split between the replicas (unless the user set the thread count)
-        threads = os.environ.get("OMP_NUM_THREADS") or str(max((os.cpu_count() or 1) // size, 1))
-        return [Placement(None, utilization, 0, (("OMP_NUM_THREADS", threads),))] * size
-    if tp > len(visible):
-        raise PlacementError(f"--tensor-parallel-size {tp} needs {tp} GPUs per replica; {len(visible)} visible")
-    sets = len(visible) // tp
-    per_set = math.ceil(size / sets)
-    u = DEFAULT_UTILIZATION if utilization is None else utilization
-    if per_set > 1 and per_set * u > MAX_SHARED_UTILIZATION + 1e-9:
-        raise PlacementError(
-            f"--data-parallel-size {size} x --tensor-parallel-size {tp} needs {size * tp} GPUs; {len(visible)} "
-            f"visible. Replicas can share GPUs ({per_set} on each here) when their --gpu-memory-utilization "
-            f"adds up to at most {MAX_SHARED_UTILIZATION} (now {per_set} x {u:g} = {per_set * u:.2f}): pass "
-            f"--gpu-memory-utilization {math.floor(MAX_SHARED_UTILIZATION / per_set * 100) / 100:g} or less, or "
-            "fewer replicas")
-    placements = []
-    for index in range(size):
-        gpu_set, slot = index % sets, index // sets
-        devices = tuple(visible[gpu_set * tp:(gpu_set + 1) * tp])
-        placements.append(Placement(devices, None if per_set == 1 and utilization is None else u, slot,
-                                    (("CUDA_VISIBLE_DEVICES", ",".join(devices)),)))
-    return placements
-
-
-def visible_gpus() -> list[str]:
-    """The GPUs this process sees, as CUDA_VISIBLE_DEVICES entries (without creating a CUDA context)."""
-    import torch
-
-    count = torch.cuda.device_count()
-    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if listed is None:
-        return [str(i) for i in range(count)]
-    return [d.strip() for d in listed.split(",") if d.strip()][:count]
 
 
 # ---- the replica process ------------------------------------------------------------------------------------------
@@ -216,7 +159,7 @@ def request_tokens(request: RowRequest) -> int:
 
 
 class ReplicaPool:
-    """N replicas behind the `runner.Engine` interface; use as a context manager (it stops the replicas)."""
+    """N replicas behind the `job.Engine` interface; use as a context manager (it stops the replicas)."""
 
     def __init__(self, model: str | None, engine_args: dict, prompts: PromptTokenizer, placements: list[Placement]):
         self.prompts = prompts
@@ -247,7 +190,7 @@ class ReplicaPool:
         to_parent, from_child = ctx.Pipe(duplex=False)
         process = ctx.Process(target=replica_main, args=(model, args, to_child, from_child),
                               name=f"nanovllm-replica-{index}")
-        with _environ(dict(placement.env)):  # the child is born with it, before torch looks at the devices
+        with born_with(placement):
             process.start()
         to_child.close()
         from_child.close()
@@ -435,20 +378,6 @@ def load_replicas(engine: EngineOptions, seed: int | None = None) -> ReplicaPool
         return ReplicaPool(engine.model, args, prompts, placements)
     except ReplicaFailed as exc:
         raise o.fail(f"cannot start the replicas: {exc}") from None
-
-
-@contextlib.contextmanager
-def _environ(values: dict[str, str]) -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def merge_reports(reports: list[dict]) -> dict:

@@ -18,11 +18,11 @@ from nanovllm_cli.options import EngineOptions, ExitCode, with_engine_options
 if TYPE_CHECKING:  # the engine imports torch: not needed for `--help`
     from nanovllm import LLM
     from nanovllm_cli.display import Snapshot
+    from nanovllm_cli.job import RunStats
     from nanovllm_cli.preflight import OutputLock
     from nanovllm_cli.records import RecordLayout
     from nanovllm_cli.replicas import ReplicaPool
     from nanovllm_cli.rows import RowError, RowRequest
-    from nanovllm_cli.runner import RunStats
     from nanovllm_cli.writers import Answered
 
 IO = "Input and output"
@@ -235,8 +235,8 @@ def run_job(source: LLM | ReplicaPool, rows: Iterable[RowRequest | RowError], ro
     summary. `failed_before`: error records of earlier runs that stay in OUTPUT."""
     from nanovllm import LLM
     from nanovllm_cli.display import ProgressDisplay
+    from nanovllm_cli.job import BatchRunner, EngineFeeder, JobFailed, RunStats
     from nanovllm_cli.records import RecordBuilder
-    from nanovllm_cli.runner import BatchRunner, EngineFeeder, JobFailed, RunStats
     from nanovllm_cli.writers import open_writer
 
     try:

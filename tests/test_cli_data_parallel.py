@@ -15,7 +15,7 @@ from helpers import process_alive
 from typer.testing import CliRunner
 
 from nanovllm_cli.main import app
-from nanovllm_cli.replicas import PlacementError, plan_replicas
+from nanovllm_cli.placement import PlacementError, plan_replicas
 
 NANOVLLM = Path(sys.executable).parent / "nanovllm"
 SAMPLE = Path(__file__).resolve().parent.parent / "samples" / "prompts.jsonl"
@@ -254,7 +254,8 @@ def idle_pool(replicas: int, max_num_seqs: int):
     """A ReplicaPool's dispatch state without processes: `replicas` replicas with nothing outstanding."""
     from collections import deque
 
-    from nanovllm_cli.replicas import Placement, Replica, ReplicaPool
+    from nanovllm_cli.placement import Placement
+    from nanovllm_cli.replicas import Replica, ReplicaPool
 
     pool = object.__new__(ReplicaPool)
     pool.replicas = [Replica(i, Placement(None, None, 0), None, SentMessages(), None) for i in range(replicas)]
@@ -268,8 +269,8 @@ def test_dispatch_sends_each_group_whole_to_the_replica_with_the_fewest_outstand
 
     from nanovllm import SamplingParams
     from nanovllm_cli.admission import PrefixGroup
+    from nanovllm_cli.job import RowFailure
     from nanovllm_cli.rows import RowRequest
-    from nanovllm_cli.runner import RowFailure
 
     def group(name, rows, prompt_len, max_tokens=10):
         return PrefixGroup(deque(RowRequest(f"{name}{i}", f"line {i}", "token_ids", [], SamplingParams(

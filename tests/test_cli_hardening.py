@@ -174,7 +174,7 @@ def test_two_names_of_one_output_share_its_lock(tmp_path):
 
 
 def test_the_lock_is_held_while_the_job_runs(tmp_path, monkeypatch):
-    from nanovllm_cli import runner
+    from nanovllm_cli import job
 
     path, out = write_jsonl(tmp_path / "in.jsonl", rows(2)), tmp_path / "out.jsonl"
     seen = []
@@ -185,7 +185,7 @@ def test_the_lock_is_held_while_the_job_runs(tmp_path, monkeypatch):
         except Exception as exc:  # noqa: BLE001
             seen.append(str(exc))
 
-    monkeypatch.setattr(runner.EngineFeeder, "_admit", lambda self, _admit=runner.EngineFeeder._admit: (
+    monkeypatch.setattr(job.EngineFeeder, "_admit", lambda self, _admit=job.EngineFeeder._admit: (
         try_lock(), _admit(self))[1])
     assert invoke(path, "-o", out).exit_code == 0
     assert seen and all("being written by another run" in s for s in seen)
@@ -352,8 +352,8 @@ def test_every_record_is_one_line_for_any_line_splitter(tmp_path):
 # ---- progress ------------------------------------------------------------------------------------------------------
 
 def test_progress_counts_tokens_generated_before_any_row_finishes():
+    from nanovllm_cli.job import RunStats
     from nanovllm_cli.run_cmd import snapshot
-    from nanovllm_cli.runner import RunStats
 
     llm = LLM("tiny-qwen3", load_format="dummy", max_model_len=128, num_kv_blocks=32)
     llm.add_request([1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True))

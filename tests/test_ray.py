@@ -27,6 +27,7 @@ from nanovllm_cli.readers import iter_rows  # noqa: E402
 from nanovllm_cli.records import PLAIN_FIELDS  # noqa: E402
 
 ENGINE = {"max_model_len": 256, "cpu_kv_cache_bytes": 32 << 20}
+BARRIER_S = 60.0  # longest wait of an actor for the other one to start
 ENGINE_FLAGS = ["--max-model-len", 256, "--kv-cache-gib", 32 / 1024, "--max-tokens", 4]
 ROWS = [
     {"id": "plain", "prompt": "The capital of France is"},
@@ -54,16 +55,19 @@ def cli_records(text_model, path, tmp_path, *flags):
     return {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
 
 
-def test_processor_on_a_dataset_matches_nanovllm_run(cluster, text_model, tmp_path):
+def test_processor_on_a_dataset_matches_nanovllm_run(cluster, text_model, tmp_path, monkeypatch):
     rows = [*ROWS, {"prompt": "a row without an id"}]
     by_id = cli_records(text_model, write_jsonl(tmp_path / "rows.jsonl", rows), tmp_path)
     expected = [by_id[row.get("id", "7")] for row in rows]
+    # The processor returns a batch's records in its rows' order (prefix-aware admission reorders them inside);
+    # across batches, run by two actors, Ray keeps the order only when asked (the dataset copies the setting).
+    monkeypatch.setattr(ray.data.DataContext.get_current().execution_options, "preserve_order", True)
     records = (ray.data.from_items(rows)
                .map_batches(LLMProcessor, batch_size=3, batch_format="pyarrow",
                             compute=ray.data.ActorPoolStrategy(size=2),
                             fn_constructor_kwargs={"model": text_model, "engine_args": ENGINE,
                                                    "sampling": {"max_tokens": 4}})
-               .take_all())  # Ray keeps the rows' order
+               .take_all())
     assert [r["id"] for r in records] == [*(row["id"] for row in ROWS), None]
     assert expected[-1]["id"] == "7" and expected[-1]["completion_tokens"] > 0
     expected[-1]["id"] = None  # `nanovllm run` names a row without an id by its line; a dataset row has none
@@ -204,10 +208,21 @@ def test_parts_of_a_file_give_its_rows_numbered_as_run_reads_them(tmp_path):
 
 def test_one_input_file_feeds_every_engine(cluster, tmp_path):
     """Ray hands a whole block to one actor: a file read as one block would run on one engine alone."""
+    arrived = tmp_path / "arrived"
+    arrived.mkdir()
 
-    class ActorPid:  # each row's actor, slowly enough that no one actor takes every batch (local: pickled whole)
+    class ActorPid:  # each row's actor (local: pickled whole, `arrived` with it)
+        def __init__(self):
+            self.deadline = None
+
         def __call__(self, batch):
-            time.sleep(0.1)
+            # An actor holds its batches until the other actor has one too, however late that one starts: with
+            # parts of their own, one actor cannot take them all. Given one block, one actor gets every row, stops
+            # waiting after BARRIER_S, and the test fails.
+            (arrived / str(os.getpid())).touch()
+            self.deadline = self.deadline or time.monotonic() + BARRIER_S
+            while len(list(arrived.iterdir())) < 2 and time.monotonic() < self.deadline:
+                time.sleep(0.01)
             return pa.table({"pid": [os.getpid()] * batch.num_rows})
 
     path = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": "x"} for i in range(24)])

@@ -229,13 +229,19 @@ def test_graph_steps_carry_one_table_entry_per_row_or_run_eagerly():
 def test_killed_worker_ends_the_job_with_a_clear_error_and_no_orphans():
     llm = LLM("tiny-qwen3", tensor_parallel_size=2, max_model_len=2048, num_kv_blocks=160)
     pids = llm._workers.pids
-    killer = threading.Timer(1.0, os.kill, (pids[0], signal.SIGKILL))
+    killed = []  # when the kill was sent: the timer thread may run late on a busy machine
+
+    def kill():
+        killed.append(time.monotonic())
+        os.kill(pids[0], signal.SIGKILL)
+
+    killer = threading.Timer(1.0, kill)
     killer.start()
-    started = time.monotonic()
     with pytest.raises(TPWorkerError, match=r"rank 1 \(pid \d+\) died: killed by SIGKILL"):
         llm.generate([[1, 2, 3]] * 4, SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True))
+    noticed = time.monotonic()
     killer.join()
-    assert time.monotonic() - started < 1.0 + 5.0
+    assert noticed - killed[0] < 5.0
     assert not any(process_alive(pid) for pid in pids) and not dist.is_initialized()
     with pytest.raises(TPWorkerError, match="the tensor-parallel engine is stopped"):
         llm.generate([[1, 2, 3]], GREEDY)
@@ -301,7 +307,7 @@ def test_every_ending_of_rank0_stops_the_workers(ending, tmp_path):
         if ending != "return":
             time.sleep(1.0)  # generating
             job.send_signal(signal.SIGINT if ending == "ctrl-c" else signal.SIGKILL)
-        returncode = job.wait(timeout=20)
+        returncode = job.wait(timeout=120)  # a hang, not a slow exit on a busy machine
     finally:
         job.kill()
     stderr = job.stderr.read()
@@ -310,7 +316,7 @@ def test_every_ending_of_rank0_stops_the_workers(ending, tmp_path):
     assert returncode == expected, stderr
     if ending == "ctrl-c":
         assert "KeyboardInterrupt" in stderr
-    deadline = time.monotonic() + 5.0
+    deadline = time.monotonic() + 60.0  # a worker reads EOF at once; its exit may take a while on a busy machine
     while any(process_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(process_alive(pid) for pid in pids)

@@ -1,4 +1,4 @@
-"""The streaming loop: rows in through a bounded window, requests into the engine, records out as they finish.
+"""The streaming job: rows in through a bounded window, requests into the engine, records out as they finish.
 
 Memory stays bounded whatever the input size: at most `window` tokenized rows wait for admission and at most
 `max_num_seqs` requests are in the engine; beyond that only the set of ids met so far is kept (for resume and
