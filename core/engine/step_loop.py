@@ -19,6 +19,7 @@ class LaunchedStep:
     schedule_s: float
     prepare_s: float
     execute_s: float
+    graph: bool  # the forward replayed a CUDA graph
 
 
 class StepLoop:
@@ -76,10 +77,11 @@ class StepLoop:
             return None
         inputs = self.runner.prepare(batch)
         t2 = time.perf_counter()
+        graph = inputs.graph_size is not None
         if not batch.grammars:
             handle = self.runner.execute(inputs)
             t3 = time.perf_counter()
-            return LaunchedStep(batch, handle, t1 - t0, t2 - t1, t3 - t2)
+            return LaunchedStep(batch, handle, t1 - t0, t2 - t1, t3 - t2, graph)
         forward = self.runner.launch_forward(inputs)
         forward_s = time.perf_counter() - t2
         if self.in_flight is not None:  # its tokens are what the masks of this step depend on
@@ -88,7 +90,7 @@ class StepLoop:
         t3 = time.perf_counter()
         self.scheduler.accept_deferred()
         handle = self.runner.launch_sample(forward, self.runner.fill_masks(batch))
-        return LaunchedStep(batch, handle, t1 - t0, t2 - t1, forward_s + time.perf_counter() - t3)
+        return LaunchedStep(batch, handle, t1 - t0, t2 - t1, forward_s + time.perf_counter() - t3, graph)
 
     def _complete(self, step: LaunchedStep) -> list[Sequence]:
         t0 = time.perf_counter()
@@ -101,5 +103,5 @@ class StepLoop:
         self.stats.record_step(
             schedule_s=step.schedule_s, prepare_s=step.prepare_s, execute_s=step.execute_s,
             wait_s=t1 - t0, postprocess_s=t2 - t1, device_s=device_s, prefill_tokens=batch.num_prefill_tokens,
-            decode_tokens=batch.num_tokens - batch.num_prefill_tokens, batch_size=len(batch))
+            decode_tokens=batch.num_tokens - batch.num_prefill_tokens, batch_size=len(batch), graph=step.graph)
         return finished
