@@ -1,6 +1,12 @@
-"""`nanovllm bench`: the JSON schema of --compare, honest CPU figures, the workload and the roofline arithmetic."""
+"""`nanovllm bench`: the JSON schema of --compare, honest CPU figures, the workload and the ideal continuous-batching
+schedule behind the roofline (against a hand-made schedule, closed forms and a step by step reference)."""
 import json
+import random
+import time
+from collections import deque
 
+import numpy as np
+import pytest
 from typer.testing import CliRunner
 
 from nanovllm import LLM, CostModel
@@ -8,7 +14,7 @@ from nanovllm.models.costs import WeightCosts
 from nanovllm.runner.cuda_graphs import batch_size_ladder
 from nanovllm_cli.bench import run_workload, synthetic_workload, warmup_workload
 from nanovllm_cli.main import app
-from nanovllm_cli.roofline import DeviceCeilings, roofline_seconds
+from nanovllm_cli.roofline import DeviceCeilings, ideal_schedule, roofline_seconds, slot_starts
 
 MODE_KEYS = {"requests", "prompt_tokens", "output_tokens", "wall_s", "output_tok_s", "total_tok_s", "steps",
              "gpu_busy_s", "gpu_busy_frac", "cpu_schedule_s", "cpu_prepare_s", "cpu_postprocess_s", "ttft_p50_s",
@@ -51,16 +57,77 @@ def test_synthetic_workload_is_seeded_and_in_range():
     assert all(0 <= t < 1000 for p in a.prompts for t in p)
 
 
-def test_roofline_by_hand():
-    """Two sequences (prompt 3, 2 outputs) and (prompt 1, 3 outputs), batch limit 1 (two waves).
-    KV tokens read by decode (a step writes its token, then attends to it too): A reads 4 once; B reads 2 then 3
-    -> 9 tokens. Decode steps: 2 waves x
-    (3 - 1) = 4. Prefill FLOPs: (3 + 1) tokens x 10 + causal pairs (6 + 1) x 2."""
-    costs = CostModel(kv_bytes_per_token=100, attention_flops_per_pair=2,
-                      weights=WeightCosts(shared_bytes=1000, shared_matmul_params=5, expert_layers=()))
-    ceilings = DeviceCeilings("test", copy_bytes_per_s=1e4, matmul_flops_per_s=1e2)
-    expected = (9 * 100 + 4 * 1000) / 1e4 + (4 * 10 + 7 * 2) / 1e2
-    assert abs(roofline_seconds(costs, [3, 1], [2, 3], 1, ceilings) - expected) < 1e-12
+COSTS = CostModel(kv_bytes_per_token=10, attention_flops_per_pair=1,
+                  weights=WeightCosts(shared_bytes=300, shared_matmul_params=1, expert_layers=()))  # 2 FLOPs a token
+CEILINGS = DeviceCeilings("test", copy_bytes_per_s=100, matmul_flops_per_s=5)
+
+
+def test_ideal_schedule_by_hand():
+    """Batch 2; rows A (prompt 2, 3 outputs), B (1, 1), C (4, 2). Step 0: A and B prefill (3 tokens, 3 + 1
+    attention pairs): 300 B -> 3.0 s, 10 FLOPs -> 2.0 s. B is done (its prefill sampled its only token), so C
+    takes its slot. Step 1: A decodes (context 3), C prefills (4 tokens, 10 pairs): 330 B -> 3.3 s, 5 tokens x 2
+    + 13 pairs = 23 FLOPs -> 4.6 s. Step 2: A (context 4) and C (context 5) decode: 390 B -> 3.9 s, 13 FLOPs ->
+    2.6 s. Total 3.0 + 4.6 + 3.9."""
+    schedule = ideal_schedule(COSTS, [2, 1, 4], [3, 1, 2], 2, CEILINGS)
+    assert schedule.rows.tolist() == [2, 2, 2] and schedule.decode_rows.tolist() == [0, 1, 2]
+    assert schedule.prefill_tokens.tolist() == [3, 4, 0] and schedule.kv_tokens.tolist() == [0, 3, 9]
+    assert schedule.step_s.tolist() == pytest.approx([3.0, 4.6, 3.9])
+    assert roofline_seconds(COSTS, [2, 1, 4], [3, 1, 2], 2, CEILINGS) == pytest.approx(11.5)
+    assert slot_starts(np.array([3, 1, 2]), 2).tolist() == [0, 0, 1]
+
+
+def test_equal_lengths_run_in_waves():
+    """12 rows of prompt 50 and 20 outputs at batch 4: three waves of one prefill step (compute-bound here) and
+    19 decode steps (bound by their bytes), in closed form."""
+    costs = CostModel(kv_bytes_per_token=1000, attention_flops_per_pair=100,
+                      weights=WeightCosts(shared_bytes=10**6, shared_matmul_params=10**4, expert_layers=()))
+    ceilings = DeviceCeilings("test", copy_bytes_per_s=1e9, matmul_flops_per_s=1e9)
+    b, p, n = 4, 50, 20
+    prefill = max(1e6 / 1e9, b * (p * 2e4 + p * (p + 1) / 2 * 100) / 1e9)
+    decodes = sum(max((1e6 + b * (p + j) * 1000) / 1e9, (b * 2e4 + b * (p + j) * 100) / 1e9) for j in range(1, n))
+    assert prefill > 1e6 / 1e9 and decodes == pytest.approx((n - 1) * 1e-3 + b * sum(p + j for j in range(1, n)) * 1e-6)
+    schedule = ideal_schedule(costs, [p] * 12, [n] * 12, b, ceilings)
+    assert len(schedule.step_s) == 3 * n and set(schedule.rows.tolist()) == {b}
+    assert schedule.seconds == pytest.approx(3 * (prefill + decodes), rel=1e-12)
+
+
+def reference_schedule(prompts: list[int], outputs: list[int], batch: int) -> list[tuple[int, int, int, int]]:
+    """Step by step: free slots take the next rows (prefilled in that step), running rows decode one token and
+    read their context, a row leaves after its last token. Per step (rows, decoding rows, prompt tokens, KV
+    tokens read)."""
+    queue, running, steps = deque(range(len(prompts))), {}, []
+    while queue or running:
+        decoding = list(running)
+        for row in decoding:
+            running[row] += 1
+        admitted = [queue.popleft() for _ in range(min(batch - len(running), len(queue)))]
+        running.update((row, 0) for row in admitted)
+        steps.append((len(running), len(decoding), sum(prompts[r] for r in admitted),
+                      sum(prompts[r] + running[r] for r in decoding)))
+        for row in [r for r, done in running.items() if done == outputs[r] - 1]:
+            del running[row]
+    return steps
+
+
+def test_ideal_schedule_matches_a_step_by_step_reference():
+    rng = random.Random(5)
+    for batch in (1, 3, 8):
+        prompts = [rng.randint(1, 40) for _ in range(30)]
+        outputs = [rng.randint(1, 25) for _ in range(30)]
+        schedule = ideal_schedule(COSTS, prompts, outputs, batch, CEILINGS)
+        got = list(zip(schedule.rows.tolist(), schedule.decode_rows.tolist(), schedule.prefill_tokens.tolist(),
+                       schedule.kv_tokens.tolist()))
+        assert got == reference_schedule(prompts, outputs, batch)
+        # whatever the schedule, each row reads p + 1 .. p + n - 1 context tokens once
+        assert schedule.kv_tokens.sum() == sum((n - 1) * p + n * (n - 1) // 2 for p, n in zip(prompts, outputs))
+
+
+def test_ideal_schedule_of_100k_rows_is_fast():
+    lengths = np.clip(np.rint(150 * np.exp(0.9 * np.random.default_rng(0).standard_normal((2, 100_000)))), 4, 1024)
+    started = time.perf_counter()
+    schedule = ideal_schedule(COSTS, lengths[0], lengths[1], 256, CEILINGS)
+    assert time.perf_counter() - started < 1.0
+    assert schedule.decode_rows.sum() == lengths[1].sum() - 100_000
 
 
 def test_model_costs_are_one_ranks_share_under_tensor_parallelism():
