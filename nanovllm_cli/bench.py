@@ -200,7 +200,9 @@ def bench(
         help="Output tokens of --dataset rows without their own max_tokens.", rich_help_panel=WORKLOAD)] = 256,
     save_workload_path: Annotated[Path | None, typer.Option(
         "--save-workload", help="Also write the workload as a `run` input file (token ids, max_tokens), which "
-        "`bench --dataset` replays row for row.", dir_okay=False, rich_help_panel=WORKLOAD)] = None,
+        "`bench --dataset` replays row for row: the same rows on another commit, or on a model of another "
+        "vocabulary (token ids are drawn below the model's vocabulary size, so vocabularies draw different rows).",
+        dir_okay=False, rich_help_panel=WORKLOAD)] = None,
     compare: Annotated[bool, typer.Option(
         "--compare", help="Run the sync and the async loop on the same workload and engine, and compare.",
         rich_help_panel=MODES)] = False,

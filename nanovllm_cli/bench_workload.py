@@ -143,7 +143,8 @@ def synthetic_workload(num_seqs: int, input_lengths: LengthDistribution | tuple[
                        output_lengths: LengthDistribution | tuple[int, int], vocab_size: int, seed: int) -> Workload:
     """Random token ids (no prefix-cache hits) with lengths drawn from the distributions (a (LO, HI) pair:
     uniform, inclusive). One generator draws each prompt's length then its ids, then every output length: a
-    uniform workload of a seed is the same rows whatever else changed."""
+    uniform workload of a seed is the same rows as bench has always drawn. How many draws an id takes depends on
+    `vocab_size`, so two vocabularies draw different rows (`save_workload` + `--dataset` replay one set)."""
     rng = random.Random(seed)
     inputs, outputs = as_distribution(input_lengths), as_distribution(output_lengths)
     prompts = [[rng.randrange(vocab_size) for _ in range(inputs.draw(rng))] for _ in range(num_seqs)]
