@@ -143,6 +143,7 @@ class StepHandle:
     ready: torch.cuda.Event | None
     upload: int
     logprobs: StepLogprobs | None = None
+    graph: bool = False  # the forward replayed a CUDA graph (else it ran eagerly)
 
 
 class StepRunner(Protocol):

@@ -1,15 +1,19 @@
-"""The least time a workload can take on a device: bytes over memory bandwidth plus FLOPs over the matmul rate.
+"""The least time a workload can take on a device: its rows run in the ideal continuous-batching schedule at the
+engine's batch size, each step as long as the larger of its bytes over the memory bandwidth and its FLOPs over
+the matmul rate.
 
-Decode steps must read the weights once and every sequence's whole KV context; prefill must do the matmul
-FLOPs of every prompt token. The ceilings are measured on the device at the start of the run (a large copy,
-counting bytes read plus written, and a large bf16 matmul). The costs (`LLM.info.costs`) are one rank's (its
+A step reads the weights once and every decoding row's whole KV context, and does the matmul FLOPs of every token
+in it (prompt tokens of the rows admitted in it, one token per decoding row) plus attention's. The ceilings are
+measured on the device at the start of the run (a large copy, counting bytes read plus written, and a large bf16
+matmul). The costs (`LLM.info.costs`) are one rank's (its
 weight shard, its KV heads, its attention heads): every rank does an equal share at once, so the
 bound is one device's share over one device's ceilings."""
 from __future__ import annotations
 
-import bisect
+import heapq
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from nanovllm import CostModel
@@ -56,27 +60,73 @@ def measure_ceilings(device: torch.device) -> DeviceCeilings:
                           2 * n ** 3 / matmul_ms * 1e3)
 
 
-def decode_batch_sizes(output_lens: list[int], max_num_seqs: int) -> list[int]:
-    """The batch of every decode step under the roofline's schedule: waves of `max_num_seqs` sequences, each
-    wave as many steps as the longest output of all minus one (prefill samples the first token); a sequence
-    takes part in steps 1 .. its output length - 1."""
-    steps = max(output_lens) - 1
-    batches = []
-    for start in range(0, len(output_lens), max_num_seqs):
-        lens = sorted(output_lens[start:start + max_num_seqs])
-        batches += [len(lens) - bisect.bisect_right(lens, step) for step in range(1, steps + 1)]
-    return batches
+@dataclass
+class IdealSchedule:
+    """The ideal continuous-batching schedule of a workload, one entry per step: its rows (decoding and
+    prefilling), decoding rows, prompt tokens, the context tokens its decodes read, and its time on the device."""
+
+    rows: np.ndarray
+    decode_rows: np.ndarray
+    prefill_tokens: np.ndarray
+    kv_tokens: np.ndarray
+    step_s: np.ndarray
+
+    @property
+    def seconds(self) -> float:
+        return float(self.step_s.sum())
 
 
-def roofline_seconds(costs: CostModel, prompt_lens: list[int], output_lens: list[int], max_num_seqs: int,
-                     ceilings: DeviceCeilings) -> float:
-    """Decode: each output token after the first (which prefill samples) reads its sequence's context of p + j
-    tokens at step j; each step reads the weights (of a mixture of experts, those its batch selects), and a batch
-    of at most `max_num_seqs` sequences needs as many steps as its longest output. Prefill: every prompt
-    token's matmuls plus causal attention."""
-    kv_tokens_read = sum((n - 1) * p + n * (n - 1) // 2 for p, n in zip(prompt_lens, output_lens))
-    weight_bytes = sum(map(costs.decode_weight_bytes, decode_batch_sizes(output_lens, max_num_seqs)))
-    decode_bytes = kv_tokens_read * costs.kv_bytes_per_token + weight_bytes
-    prefill_flops = sum(p * costs.flops_per_token + p * (p + 1) // 2 * costs.attention_flops_per_pair
-                        for p in prompt_lens)
-    return decode_bytes / ceilings.copy_bytes_per_s + prefill_flops / ceilings.matmul_flops_per_s
+def slot_starts(output_lens: np.ndarray, batch: int) -> np.ndarray:
+    """The step at which each row (in order) is admitted when `batch` slots are refilled as soon as they free: a
+    row of output n holds its slot for n steps (its prefill samples the first token, then n - 1 decodes), and the
+    next row takes the slot that frees first."""
+    starts = np.zeros(len(output_lens), dtype=np.int64)
+    free_at = [int(n) for n in output_lens[:batch]]  # a min-heap of the steps at which the slots free
+    heapq.heapify(free_at)
+    lens = output_lens.tolist()
+    for i in range(batch, len(lens)):
+        start = free_at[0]
+        heapq.heapreplace(free_at, start + lens[i])
+        starts[i] = start
+    return starts
+
+
+def ideal_schedule(costs: CostModel, prompt_lens, output_lens, batch: int, ceilings: DeviceCeilings) -> IdealSchedule:
+    """Every step decodes every running row, a finished row's slot is refilled at once (its prompt prefilled in
+    that step), and a step costs max((weight bytes + the KV bytes its decodes read) / copy bandwidth, FLOPs /
+    matmul rate). A row's decode j (1 .. n - 1) attends to p + j tokens (it writes its token, then reads it
+    too); FLOPs are every token's matmuls plus attention's pairs (p (p + 1) / 2 for a prompt of p, the context
+    for a decode). A mixture of experts reads the experts the step's tokens select (models/costs.py)."""
+    p = np.asarray(prompt_lens, dtype=np.int64)
+    n = np.asarray(output_lens, dtype=np.int64)
+    if len(p) != len(n) or not len(n) or n.min() < 1 or batch < 1:
+        raise ValueError("ideal_schedule needs as many prompt as output lengths, each output at least 1, batch >= 1")
+    starts = slot_starts(n, batch)
+    ends = starts + n  # one past each row's last step
+    num_steps = int(ends.max())
+
+    def per_step(at: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
+        return np.bincount(at, weights, minlength=num_steps + 1).astype(np.int64)
+
+    # A row decodes in steps start + 1 .. end - 1: +1 where that begins, -1 where it ends. Its decode at step t
+    # reads p + t - start tokens: summed over the rows decoding at t, (their p - start) + t x their number.
+    decoding = per_step(starts + 1) - per_step(ends)
+    offsets = per_step(starts + 1, p - starts) - per_step(ends, p - starts)
+    decode_rows = np.cumsum(decoding)[:num_steps]
+    steps = np.arange(num_steps, dtype=np.int64)
+    kv_tokens = np.cumsum(offsets)[:num_steps] + steps * decode_rows
+    prefill_rows = per_step(starts)[:num_steps]
+    prefill_tokens = per_step(starts, p)[:num_steps]
+    prefill_pairs = per_step(starts, p * (p + 1) // 2)[:num_steps]
+    tokens = decode_rows + prefill_tokens
+    step_tokens, index = np.unique(tokens, return_inverse=True)
+    weight_bytes = np.array([costs.decode_weight_bytes(int(t)) for t in step_tokens])[index]
+    memory_s = (weight_bytes + kv_tokens * float(costs.kv_bytes_per_token)) / ceilings.copy_bytes_per_s
+    flops = tokens * float(costs.flops_per_token) + (kv_tokens + prefill_pairs) * float(costs.attention_flops_per_pair)
+    return IdealSchedule(decode_rows + prefill_rows, decode_rows, prefill_tokens, kv_tokens,
+                         np.maximum(memory_s, flops / ceilings.matmul_flops_per_s))
+
+
+def roofline_seconds(costs: CostModel, prompt_lens, output_lens, batch: int, ceilings: DeviceCeilings) -> float:
+    """The least time the workload's rows of these lengths take at a batch of `batch` rows: `ideal_schedule`."""
+    return ideal_schedule(costs, prompt_lens, output_lens, batch, ceilings).seconds

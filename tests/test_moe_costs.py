@@ -1,5 +1,5 @@
-"""The MoE cost model behind bench's roofline (core/models/costs.py): distinct experts, the decode schedule's
-batch sizes, weight bytes and FLOPs of a built model, counted by hand."""
+"""The MoE cost model behind bench's roofline (core/models/costs.py): distinct experts, the experts a step of the
+ideal schedule reads, weight bytes and FLOPs of a built model, counted by hand."""
 import json
 
 import pytest
@@ -12,7 +12,7 @@ from nanovllm.engine.info import model_costs
 from nanovllm.loaders import load_dummy_weights
 from nanovllm.models.costs import ExpertLayer, WeightCosts, expected_distinct_experts, weight_costs
 from nanovllm.models.registry import model_class_for
-from nanovllm_cli.roofline import DeviceCeilings, decode_batch_sizes, roofline_seconds
+from nanovllm_cli.roofline import DeviceCeilings, roofline_seconds
 
 
 def build(preset: str, device: str = "cpu"):
@@ -25,12 +25,6 @@ def test_expected_distinct_experts():
     assert expected_distinct_experts(4, 2, 1) == 2  # one token: exactly its top-k
     assert expected_distinct_experts(4, 2, 2) == pytest.approx(3)  # 4 (1 - (1/2)^2)
     assert expected_distinct_experts(128, 8, 10_000) == pytest.approx(128)
-
-
-def test_decode_batch_sizes_by_hand():
-    """Outputs 2, 4, 3 with 2 sequences a wave: 3 steps a wave (longest output 4, minus the prefill's token).
-    Wave 1 (2, 4): steps 1..3 have 2, 1, 1 sequences; wave 2 (3): 1, 1, 0."""
-    assert decode_batch_sizes([2, 4, 3], 2) == [2, 1, 1, 1, 1, 0]
 
 
 def test_weight_costs_by_hand():
@@ -53,15 +47,16 @@ def test_weight_costs_by_hand():
 
 
 def test_roofline_reads_only_the_selected_experts():
-    """Same workload as bench's dense hand example, with 1000 shared weight bytes and one MoE layer of 2 experts
-    of 10 bytes, top-1: a step of B <= 1 sequences reads 1000 + 10 B bytes (B tokens select B experts)."""
+    """Rows (prompt 3, 2 outputs) then (prompt 1, 3 outputs) at batch 1, 1000 shared weight bytes and one MoE
+    layer of 2 experts of 10 bytes, top-1; a matmul rate so high that every step is bound by its bytes. The
+    schedule: A's prefill (3 tokens select 2 (1 - 1/2^3) = 1.75 experts), A's decode (context 4), B's prefill
+    (1 token, 1 expert), B's decodes (contexts 2, 3); a token's KV is 100 bytes."""
     costs = CostModel(kv_bytes_per_token=100, attention_flops_per_pair=2,
                       weights=WeightCosts(shared_bytes=1000, shared_matmul_params=5,
                                           expert_layers=(ExpertLayer(2, 1, expert_bytes=10, expert_params=0),)))
-    ceilings = DeviceCeilings("test", copy_bytes_per_s=1e4, matmul_flops_per_s=1e2)
-    # batch 1 per wave: wave 1 (output 2) steps 1, 2 -> batches 1, 0; wave 2 (output 3) -> 1, 1
-    expected = (9 * 100 + 4 * 1000 + 3 * 10) / 1e4 + (4 * 10 + 7 * 2) / 1e2
-    assert roofline_seconds(costs, [3, 1], [2, 3], 1, ceilings) == pytest.approx(expected, abs=1e-12)
+    ceilings = DeviceCeilings("test", copy_bytes_per_s=1e4, matmul_flops_per_s=1e9)
+    step_bytes = [1000 + 17.5, 1000 + 10 + 400, 1000 + 10, 1000 + 10 + 200, 1000 + 10 + 300]
+    assert roofline_seconds(costs, [3, 1], [2, 3], 1, ceilings) == pytest.approx(sum(step_bytes) / 1e4, rel=1e-12)
 
 
 def test_model_costs_of_a_dense_model_keep_every_step_reading_all_weights():

@@ -1,10 +1,89 @@
 """Honest timing (docs/ARCHITECTURE.md): host phases by the host clock, device time by CUDA events on the executing stream,
-throughput over the wall clock of the steps — never over an interval that leaves out device work."""
+throughput over the wall clock of the steps — never over an interval that leaves out device work.
+
+Every step is also kept as one entry of a `StepTrace` (compact arrays), from which come the steps by kind
+(decode only, mixed, prefill only), eager against graph-replayed steps, the batch's occupancy and the time series
+that `nanovllm bench --plot` draws."""
 from __future__ import annotations
 
+import time
+from array import array
 from dataclasses import dataclass, field
 
 import numpy as np
+
+STEP_KINDS = ("decode_only", "mixed", "prefill_only")
+
+
+@dataclass
+class StepTrace:
+    """One entry per completed step, in completion order: when it completed (host clock), its rows (decoding
+    and prefilling), its prompt tokens, its decoding rows (one token each), its device time (NaN where none is
+    measured: the CPU) and whether it replayed a CUDA graph."""
+
+    ended_at: array = field(default_factory=lambda: array("d"))
+    rows: array = field(default_factory=lambda: array("q"))
+    prefill_tokens: array = field(default_factory=lambda: array("q"))
+    decode_rows: array = field(default_factory=lambda: array("q"))
+    device_s: array = field(default_factory=lambda: array("d"))
+    graph: array = field(default_factory=lambda: array("b"))
+
+    def append(self, ended_at: float, rows: int, prefill_tokens: int, decode_rows: int, device_s: float | None,
+               graph: bool) -> None:
+        self.ended_at.append(ended_at)
+        self.rows.append(rows)
+        self.prefill_tokens.append(prefill_tokens)
+        self.decode_rows.append(decode_rows)
+        self.device_s.append(np.nan if device_s is None else device_s)
+        self.graph.append(graph)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def kinds(self) -> np.ndarray:
+        """Each step's index into STEP_KINDS: decode only (no prompt token), prefill only (no decoding row), or
+        mixed (both)."""
+        prefill = np.array(self.prefill_tokens, dtype=np.int64) > 0
+        decode = np.array(self.decode_rows, dtype=np.int64) > 0
+        return np.where(~prefill, 0, np.where(decode, 1, 2))
+
+    def step_seconds(self, started_at: float | None) -> np.ndarray:
+        """Each step's time: its device time where measured, else the host time since the previous step
+        completed (the first one: since `started_at`)."""
+        ended = np.array(self.ended_at, dtype=np.float64)
+        device = np.array(self.device_s, dtype=np.float64)
+        if not len(ended) or not np.isnan(device).any():
+            return device
+        return np.diff(ended, prepend=ended[0] if started_at is None else started_at)
+
+
+def step_counts(trace: StepTrace) -> dict:
+    """Steps by kind and eager against graph-replayed."""
+    kinds = np.bincount(trace.kinds(), minlength=len(STEP_KINDS))
+    graphs = int(np.count_nonzero(np.array(trace.graph, dtype=np.int8)))
+    return {**{f"steps_{kind}": int(n) for kind, n in zip(STEP_KINDS, kinds)},
+            "steps_graph": graphs, "steps_eager": len(trace) - graphs}
+
+
+def batch_occupancy(trace: StepTrace, batch_limit: int, started_at: float | None) -> dict:
+    """How full the batch of `batch_limit` rows was: the mean rows of a step (decoding and prefilling), the share
+    of the decoding steps (decode only or mixed) that ran the full batch, and the tail: the steps after the last
+    one with at least half the batch, and the time they took (from the end of that step to the end of the last;
+    the whole run when no step reached half)."""
+    rows = np.array(trace.rows, dtype=np.int64)
+    if not len(rows):
+        return {"mean_running_rows": None, "full_batch_decode_share": None, "tail_below_half_steps": None,
+                "tail_below_half_s": None}
+    ended = np.array(trace.ended_at, dtype=np.float64)
+    decoding = np.array(trace.decode_rows, dtype=np.int64) > 0
+    at_half = np.flatnonzero(2 * rows >= batch_limit)
+    if len(at_half):
+        tail_steps, tail_s = len(rows) - 1 - int(at_half[-1]), float(ended[-1] - ended[at_half[-1]])
+    else:
+        tail_steps, tail_s = len(rows), float(ended[-1] - (started_at if started_at is not None else ended[0]))
+    return {"mean_running_rows": float(rows.mean()),
+            "full_batch_decode_share": float((rows[decoding] >= batch_limit).mean()) if decoding.any() else None,
+            "tail_below_half_steps": tail_steps, "tail_below_half_s": tail_s}
 
 
 @dataclass
@@ -34,6 +113,7 @@ class EngineStats:
     decode_host_s: list[tuple[int, float]] = field(default_factory=list)  # (batch size, schedule + prepare)
     ttft_s: list[float] = field(default_factory=list)
     tpot_s: list[float] = field(default_factory=list)
+    trace: StepTrace = field(default_factory=StepTrace)
 
     @property
     def wall_s(self) -> float:
@@ -47,7 +127,10 @@ class EngineStats:
 
     def record_step(self, *, schedule_s: float, prepare_s: float, execute_s: float, wait_s: float,
                     postprocess_s: float, device_s: float | None, prefill_tokens: int, decode_tokens: int,
-                    batch_size: int) -> None:
+                    batch_size: int, graph: bool = False) -> None:
+        """A step completed now: its host phases, device time, tokens (a decoding row has one decode token),
+        rows, and whether it replayed a CUDA graph."""
+        self.trace.append(time.perf_counter(), batch_size, prefill_tokens, decode_tokens, device_s, graph)
         self.steps += 1
         self.schedule_s += schedule_s
         self.prepare_s += prepare_s
@@ -72,6 +155,23 @@ class EngineStats:
             if num_output_tokens > 1:
                 self.tpot_s.append((finish - first_token) / (num_output_tokens - 1))
 
+    def occupancy(self, batch_limit: int) -> dict:
+        """`batch_occupancy` of the steps so far against a batch of `batch_limit` rows (the engine's max_num_seqs)."""
+        return batch_occupancy(self.trace, batch_limit, self.started_at)
+
+    def timeline(self) -> dict[str, np.ndarray]:
+        """The steps as arrays (a plot's data): "t" (each step's end, seconds from the first step's start),
+        "rows", "decode_rows", "prefill_tokens", "kind" (index into STEP_KINDS), "step_s" (`StepTrace.step_seconds`)
+        and "graph"."""
+        trace = self.trace
+        ended = np.array(trace.ended_at, dtype=np.float64)
+        origin = self.started_at if self.started_at is not None else (ended[0] if len(ended) else 0.0)
+        return {"t": ended - origin, "rows": np.array(trace.rows, dtype=np.int64),
+                "decode_rows": np.array(trace.decode_rows, dtype=np.int64),
+                "prefill_tokens": np.array(trace.prefill_tokens, dtype=np.int64),
+                "kind": trace.kinds(), "step_s": trace.step_seconds(self.started_at),
+                "graph": np.array(trace.graph, dtype=np.int8).astype(bool)}
+
     def summary(self) -> dict:
         wall = self.wall_s
 
@@ -93,6 +193,7 @@ class EngineStats:
             "output_tokens": self.output_tokens,
             "steps": self.steps,
             "decode_steps": self.decode_steps,
+            **step_counts(self.trace),
             "preemptions": self.preemptions,
             "wall_s": wall,
             "output_tok_s": self.output_tokens / wall if wall else None,

@@ -113,5 +113,5 @@ class StepLoop:
             schedule_s=step.schedule_s, prepare_s=step.prepare_s, execute_s=step.execute_s,
             wait_s=waited - started, postprocess_s=time.perf_counter() - waited, device_s=device_s,
             prefill_tokens=batch.num_prefill_tokens, decode_tokens=batch.num_tokens - batch.num_prefill_tokens,
-            batch_size=len(batch))
+            batch_size=len(batch), graph=step.handle.graph)
         return finished

@@ -410,6 +410,7 @@ class ModelRunner:
         """The second half of `execute`: mask the constrained rows' logits (`fill_masks`), apply the logit
         controls, sample, take the logprobs of the rows that asked, and copy the ids to the host."""
         inputs, logits = launched.inputs, launched.logits
+        graph = inputs.graph_size is not None
         plan, self._logprob_plan = self._logprob_plan, None
         sampled_lp = None
         if logits is None:  # a tensor-parallel worker: the logits were gathered to rank 0, which samples
@@ -423,7 +424,7 @@ class ModelRunner:
         slot = launched.slot
         if slot is None:
             logprobs = StepLogprobs(plan, sampled_lp, launched.prompt_logprobs) if plan else None
-            return StepHandle(sampled, None, None, None, launched.upload, logprobs)
+            return StepHandle(sampled, None, None, None, launched.upload, logprobs, graph)
         stream = self.buffers.stream
         slot.timing[1].record(stream)
         host = slot.host[:len(sampled)]
@@ -431,7 +432,7 @@ class ModelRunner:
         logprobs = (StepLogprobs(plan, copy_to_host(sampled_lp), copy_to_host(launched.prompt_logprobs))
                     if plan else None)
         slot.ready.record(stream)
-        return StepHandle(sampled, host, slot.timing, slot.ready, launched.upload, logprobs)
+        return StepHandle(sampled, host, slot.timing, slot.ready, launched.upload, logprobs, graph)
 
     def fill_masks(self, batch: ScheduledBatch) -> StepBitmask | None:
         """The token masks of the batch's constrained rows from their matchers (read, never advanced), filled on
