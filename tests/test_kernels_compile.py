@@ -33,12 +33,14 @@ def build(fn, signature, constexprs, num_warps, aligned):
     assert kernel.asm["cubin"], fn.__name__
 
 sample_args = ["logits", "stride", "out", "temperatures", "top_k", "top_p", "min_p", "seeds", "positions",
-               "scratch", "counters", "vocab"]
-signature = dict(zip(sample_args, ["*bf16", "i32", "*i64", "*fp32", "*i64", "*fp32", "*fp32", "*i64", "*i64",
-                                   "*i64", "*i32", "i32"]))
-signature.update(BLOCK="constexpr", PIVOTS="constexpr", CAP="constexpr", MAX_PASSES="constexpr")
-constexprs = {"BLOCK": S.DEFAULT_BLOCK, "PIVOTS": S.PIVOTS, "CAP": S.DEFAULT_CAP, "MAX_PASSES": S.MAX_PASSES}
-for kernel in (S._sample_kernel, S._sample_wide_kernel):
+               "scratch", "counters", "vocab", "G"]
+sample_types = ["*bf16", "i32", "*i64", "*fp32", "*i64", "*fp32", "*fp32", "*i64", "*i64", "*i64", "*i32", "i32", "i32"]
+for kernel, constexprs in (
+        (S._sample_kernel, dict(BLOCK=S.DEFAULT_BLOCK, NARROW=S.NARROW_K, CHUNK=S.CHUNK, PIVOTS=S.PIVOTS)),
+        (S._sample_wide_kernel, dict(BLOCK=S.DEFAULT_BLOCK, CHUNK=S.CHUNK, PIVOTS=S.PIVOTS)),
+        (S._sample_search_kernel, dict(BLOCK=S.DEFAULT_BLOCK, PIVOTS=S.PIVOTS_SEARCH, CAP=S.SEARCH_CAP,
+                                       MAX_PASSES=S.MAX_PASSES))):
+    signature = dict(zip(sample_args, sample_types), **dict.fromkeys(constexprs, "constexpr"))
     build(kernel, signature, constexprs, S.DEFAULT_WARPS, sample_args)
 stats_args = ["logits", "stride", "token_ids", "out_logprob", "out_rank", "vocab"]
 signature = dict(zip(stats_args, ["*bf16", "i32", "*i64", "*fp32", "*i64", "i32"]), BLOCK="constexpr")
