@@ -4,7 +4,9 @@ every kind of logits the issue of bounded sampling time names, and they take the
 Without CUDA the kernels run in Triton's interpreter on small shapes: 4096 logits over 256 lanes with the narrow
 path up to top-k 128, so the scratch (2048 slots) holds half the row and the wide rows' sample brackets are as wide,
 in sample ranks, as at the real shape (0.3 * NARROW)."""
+import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -67,48 +69,26 @@ def run_stages(logits, t, block=BLOCK, narrow=NARROW):
     return first, wide, out
 
 
-def adversarial_logits(kind: str, rows: int, generator: torch.Generator) -> torch.Tensor:
-    """float32 [rows, VOCAB] of one kind (scripts/bench_sampler.py times the same kinds at the real shape)."""
-    shape = (rows, VOCAB)
-    if kind == "normal":
-        return torch.randn(shape, generator=generator) * 3
-    if kind == "equal":  # every token tied: the noise alone decides, every filter keeps the whole row
-        return torch.full(shape, 1.5)
-    if kind == "ties_bf16":  # few distinct values: hundreds tied at every threshold, the top 600 tied
-        logits = torch.randint(-6, 6, shape, generator=generator).float()
-        logits[:, torch.randperm(VOCAB, generator=generator)[:600]] = 6.0
-        return logits
-    if kind == "peaked":  # one token holds almost all the mass
-        logits = torch.randn(shape, generator=generator)
-        logits[:, 7] = 40.0
-        return logits
-    if kind == "flat":  # random weights: every token about as likely
-        return torch.randn(shape, generator=generator) * 0.02
-    if kind == "huge":  # magnitudes near the float range: x * inv_t overflows, exp underflows
-        return (torch.rand(shape, generator=generator) * 2 - 1) * 3e38
-    if kind == "few_finite":  # logit controls or a grammar left 1 to 40 tokens
-        logits = torch.full(shape, float("-inf"))
-        for row in range(rows):
-            finite = torch.randperm(VOCAB, generator=generator)[:1 + row % 40]
-            logits[row, finite] = torch.randn(len(finite), generator=generator)
-        return logits
-    if kind == "zipf":  # the shape of real decoding: a few likely tokens, a long tail
-        ranks = torch.stack([torch.randperm(VOCAB, generator=generator) for _ in range(rows)]).float() + 1
-        return -1.1 * torch.log(ranks) + 0.3 * torch.randn(shape, generator=generator)
-    raise ValueError(kind)
+def load_bench():
+    """scripts/bench_sampler.py, which defines the kinds of logits it times (the same ones are tested here)."""
+    path = Path(__file__).resolve().parent.parent / "scripts" / "bench_sampler.py"
+    spec = importlib.util.spec_from_file_location("bench_sampler", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-KINDS = ["normal", "equal", "ties_bf16", "peaked", "flat", "huge", "few_finite", "zipf"]
+BENCH = load_bench()
+KINDS = BENCH.SYNTHETIC
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_kind_samples_as_the_torch_path_on_its_bounded_path(kind):
-    """Every setting on one kind (bf16 where it holds the values, else float32): the kernels' tokens are the torch
-    path's, and no row needs the search fallback (the brackets hold on every kind)."""
+    """Every setting on one kind (bf16 where it holds the values, else float32; scripts/bench_sampler.py times the
+    same kinds at the real shape): the kernels' tokens are the torch path's, and no row needs the search fallback
+    (the brackets hold on every kind)."""
     generator = torch.Generator().manual_seed(KINDS.index(kind))
-    logits = adversarial_logits(kind, len(SETTINGS), generator)
-    dtype = torch.float32 if kind in ("huge", "flat") else torch.bfloat16
-    logits = logits.to(dtype).to(DEVICE)
+    logits = BENCH.logits_of_kind(kind, len(SETTINGS), VOCAB, generator).to(DEVICE, BENCH.kind_dtype(kind))
     t = tensors(SETTINGS)
     _, wide, out = run_stages(logits, t)
     assert out.tolist() == reference_sample(logits, t).tolist()
@@ -117,11 +97,9 @@ def test_every_kind_samples_as_the_torch_path_on_its_bounded_path(kind):
 
 def test_a_mixed_batch_samples_as_the_torch_path():
     """Rows of every kind and setting in one batch, float32 and bf16."""
-    generator = torch.Generator().manual_seed(99)
-    parts = [adversarial_logits(kind, len(SETTINGS), generator) for kind in KINDS]
-    order = torch.randperm(len(KINDS) * len(SETTINGS), generator=generator)[:32]
-    logits = torch.cat(parts)[order]
-    settings = [SETTINGS[i % len(SETTINGS)] for i in order.tolist()]
+    rows = 32
+    logits = BENCH.mixed_logits(rows, VOCAB, torch.Generator().manual_seed(99))
+    settings = [SETTINGS[(5 * row) % len(SETTINGS)] for row in range(rows)]  # every setting, every kind
     t = tensors(settings)
     for dtype in (torch.float32, torch.bfloat16):
         x = logits.to(dtype).to(DEVICE)
