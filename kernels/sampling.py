@@ -148,6 +148,21 @@ def _select(keys, weights, target):
     return chosen
 
 
+@triton.jit
+def _select_pair(keys_a, weights_a, target_a, keys_b, weights_b, target_b):
+    """_select of two (keys, weights, target) at once: one reduction per bit for both."""
+    keys = tl.join(keys_a, keys_b)
+    weights = tl.join(weights_a, weights_b)
+    index = tl.arange(0, 2)
+    targets = tl.where(index == 0, target_a, target_b)
+    chosen = tl.zeros([2], dtype=tl.int64)
+    for i in range(32):
+        candidate = chosen | (tl.full([], HALF, tl.int64) >> i)
+        reached = tl.sum(tl.where(keys >= candidate[None, :], weights, 0.0), axis=0) >= targets
+        chosen = tl.where(reached, candidate, chosen)
+    return tl.sum(tl.where(index == 0, chosen, 0), axis=0), tl.sum(tl.where(index == 1, chosen, 0), axis=0)
+
+
 # ---- passes over the row ---------------------------------------------------------------------------------------
 
 
@@ -359,7 +374,7 @@ def _scratch_draw(scratch_row, n, tau, inv_t, row_key, vocab, CHUNK: tl.constexp
 
 
 @triton.jit
-def _finish(scratch_row, n, a, tie_count, tie_best, tie_token, above_count, above_mass, best, token, row_max,
+def _finish(scratch_row, n, a, b, tie_count, tie_best, tie_token, above_count, above_mass, best, token, row_max,
             inv_t, k_target, topk_on, p, topp_on, tau_min, total_mass, covers_bottom, row_key, vocab,
             CHUNK: tl.constexpr, PIVOTS: tl.constexpr):
     """Every threshold of the row from its bracket: the n gathered tokens (in the scratch), the tokens tied at a
@@ -367,7 +382,8 @@ def _finish(scratch_row, n, a, tie_count, tie_best, tie_token, above_count, abov
     (top-p without top-k). Then the draw. Returns the token, or SEARCH when the bracket does not hold a threshold
     (below a, unless `covers_bottom`: nothing lies below a; at or above b)."""
     a_key = _key_of(a)
-    top_key = _key_of(row_max) + 1  # no token above the row maximum: W(top_key) is what lies at or above b
+    # W(top_key) is what lies at or above b (the count and mass the caller checks against the targets)
+    top_key = tl.minimum(_key_of(b), _key_of(row_max) + 1)
     tie_weight = tie_count.to(tl.float32)
     tie_mass = tl.where(tie_count > 0, tie_weight * tl.exp((a - row_max) * inv_t), 0.0)
     failed = tl.zeros([], dtype=tl.int32)  # 1: the bracket does not hold a threshold
@@ -448,7 +464,7 @@ def _narrow_row(base, vocab, inv_t, k, p, topp_on, temperature, minimum_p, row_k
     k_target = tl.where(a > float("-inf"), k, tl.minimum(k, n.to(tl.int64)))
     token = tl.full([], 0, tl.int64)
     if n + tie_count > 0:
-        token = _finish(scratch_row, n, a, tie_count, tie_best, tie_token, tl.full([], 0, tl.int32),
+        token = _finish(scratch_row, n, a, infinite, tie_count, tie_best, tie_token, tl.full([], 0, tl.int32),
                         tl.full([], 0.0, tl.float32), tl.full([], float("-inf"), tl.float32),
                         tl.full([], vocab, tl.int64), row_max, inv_t, k_target, True, p, topp_on, tau_min,
                         tl.full([], 0.0, tl.float32), True, row_key, vocab, CHUNK, PIVOTS)
@@ -479,19 +495,15 @@ def _sample_kernel(logits, stride, out, temperatures, top_k, top_p, min_p, seeds
 
 
 @triton.jit
-def _rank_value(keys, ones, rank, count):
-    """The rank-th largest sample (-inf past the last)."""
-    value = _value_of(_select(keys, ones, tl.maximum(rank, 1.0)))
-    return tl.where(rank > count, float("-inf"), value)
-
-
-@triton.jit
-def _above_rank(keys, ones, sample, rank):
-    """(the smallest sample above the (rank + 1)-th largest: at most `rank` samples lie at or above it, +inf when
-    rank < 1; that (rank + 1)-th largest sample)."""
-    below = _value_of(_select(keys, ones, tl.maximum(rank + 1.0, 1.0)))
-    bound = tl.min(tl.where(sample > below, sample, float("inf")), axis=0)
-    return tl.where(rank < 1.0, float("inf"), bound), below
+def _rank_bracket(keys, ones, sample, count, lo_rank, hi_rank):
+    """(a: the lo_rank-th largest sample, -inf past the last; b: the smallest sample above the (hi_rank + 1)-th
+    largest, so that at most hi_rank samples lie at or above it, +inf when hi_rank < 1; that (hi_rank + 1)-th
+    largest)."""
+    lo_key, below_key = _select_pair(keys, ones, tl.maximum(lo_rank, 1.0), keys, ones, tl.maximum(hi_rank + 1.0, 1.0))
+    below = _value_of(below_key)
+    b = tl.min(tl.where(sample > below, sample, float("inf")), axis=0)
+    return (tl.where(lo_rank > count, float("-inf"), _value_of(lo_key)), tl.where(hi_rank < 1.0, float("inf"), b),
+            below)
 
 
 @triton.jit
@@ -524,35 +536,33 @@ def _wide_bracket(lane_max, sample, row_max, inv_t, finite, total_mass, k_target
     if topk_on:
         rank = k_target.to(tl.float32) / per_sample
         spread = tl.minimum(_spread(rank, count, count), widest)
-        a = _rank_value(keys, ones, tl.math.ceil(rank + spread), count)
-        b, below_b = _above_rank(keys, ones, sample, tl.math.floor(rank - spread))
+        a, b, below_b = _rank_bracket(keys, ones, sample, count, tl.math.ceil(rank + spread),
+                                      tl.math.floor(rank - spread))
+        lane_key, estimate = _select_pair(lane_keys, tl.full([BLOCK], 1.0, tl.float32), k_target.to(tl.float32),
+                                          keys, ones, tl.maximum(rank, 1.0))
         if k_target <= BLOCK:  # at least k tokens lie at or above the k-th largest lane maximum
-            a = tl.maximum(a, _value_of(_select(lane_keys, tl.full([BLOCK], 1.0, tl.float32),
-                                                k_target.to(tl.float32))))
-        estimate = _select(keys, ones, tl.maximum(rank, 1.0))
+            a = tl.maximum(a, _value_of(lane_key))
         survivors = tl.sum(tl.where(keys >= estimate, sample_mass, 0.0), axis=0)
     if topp_on:
+        # mass(x >= v) >= the mass of the lane maxima >= v, and the survivors' mass <= the row's: tau_p >= lowest
+        lane_mass = tl.where(lane_max > float("-inf"), tl.exp((lane_max - row_max) * inv_t), 0.0)
+        threshold, lowest_key = _select_pair(keys, sample_mass, p * survivors, lane_keys, lane_mass, p * total_mass)
+        lowest = tl.where(tl.sum(lane_mass, axis=0) >= p * total_mass, _value_of(lowest_key), float("-inf"))
         # no sampled mass (all of it above the samples, or underflowed): the threshold lies above every sample
-        threshold = tl.where(survivors > 0.0, _select(keys, sample_mass, p * survivors), U_TOP)
+        threshold = tl.where(survivors > 0.0, threshold, U_TOP)
         rank = tl.sum(tl.where(keys >= threshold, ones, 0.0), axis=0)
         squares = tl.sum(sample_mass * sample_mass, axis=0)
         effective = tl.where(squares > 0.0, survivors / tl.sqrt(squares), 1.0)
         spread = tl.minimum(_spread(rank, count, tl.minimum(tl.maximum(effective * effective, 1.0), count)), widest)
-        b_p, below_p = _above_rank(keys, ones, sample, tl.math.floor(rank - spread))
+        a_p, b_p, below_p = _rank_bracket(keys, ones, sample, count, tl.math.ceil(rank + spread),
+                                          tl.math.floor(rank - spread))
         if topk_on:  # the bracket spans both thresholds: top-k's bottom, top-p's top
             below_b = tl.where(b_p > b, below_p, below_b)
             b = tl.maximum(b, b_p)
         else:
-            a = _rank_value(keys, ones, tl.math.ceil(rank + spread), count)
+            a = tl.maximum(a_p, lowest)
             b = b_p
             below_b = below_p
-        # mass(x >= v) >= the mass of the lane maxima >= v, and the survivors' mass <= the row's: tau_p >= lowest
-        lane_mass = tl.where(lane_max > float("-inf"), tl.exp((lane_max - row_max) * inv_t), 0.0)
-        lowest = tl.full([], float("-inf"), tl.float32)
-        if tl.sum(lane_mass, axis=0) >= p * total_mass:
-            lowest = _value_of(_select(lane_keys, lane_mass, p * total_mass))
-        if not topk_on:
-            a = tl.maximum(a, lowest)
         # b at or below that bound: the sample missed the top of the row (a few heavy tokens), b says nothing
         b = tl.where(b > lowest, b, float("inf"))
     b = tl.where(b > a, b, float("inf"))
@@ -594,7 +604,7 @@ def _sample_wide_kernel(logits, stride, out, temperatures, top_k, top_p, min_p, 
                 ties | (draw & (a > float("-inf"))), draw, G, BLOCK, True)
             token = tl.full([], SEARCH, tl.int64)
             if n <= G:
-                token = _finish(scratch + row * G, n, a, tie_count, tie_best, tie_token, above_count, above_mass,
+                token = _finish(scratch + row * G, n, a, b, tie_count, tie_best, tie_token, above_count, above_mass,
                                 best, best_token, row_max, inv_t, k_target, topk_on, p, topp_on, tau_min,
                                 total_mass, a == float("-inf"), row_key, vocab, CHUNK, PIVOTS)
         tl.store(out + row, token)
