@@ -14,38 +14,39 @@ The rule (the torch path `nanovllm.layers.sampler.reference_sample` states it th
     `h_i = mix32(row_key ^ (i * GOLDEN))`, `row_key = mix32(mix32(mix32(seed_lo ^ SALT) ^ seed_hi) ^ position)`.
     A seeded row's token therefore depends on its logits, seed and position only, never on the batch.
 
-One program per row; a "pass" reads the row once. Every threshold is placed without sorting the vocabulary:
+One program per row; a "pass" reads the row once (256 x 151,936 bf16 logits: 78 MB). No threshold costs a number
+of passes that depends on the logits:
 
-1. A bracket [a, b) that holds every threshold of the row: few tokens lie in (a, b), those at or above b are all
-   kept, those below a none (except ties at a, kept or dropped together).
-2. One pass over the row (`_bracket_pass`) gathers the tokens strictly inside the bracket (value, id) into a
-   per-row scratch of G slots, counts the tokens tied at a (with their Gumbel-max winner) and the tokens at or
-   above b (count, mass, Gumbel-max winner).
-3. The thresholds are then found inside the scratch alone (`_finish`): a bisection of the 32-bit order-preserving
-   key with PIVOTS pivots per sweep, at most 32 / log2(PIVOTS + 1) sweeps of at most G slots per threshold,
-   and the draw sweeps the scratch once more. Ties need no care: tied tokens share one key.
+1. A bracket [a, b) holds every threshold of the row: the tokens at or above b are all kept, those below a none,
+   those tied at a are kept or dropped together.
+2. One pass (`_bracket_pass`) gathers the tokens strictly inside the bracket (value and id, as one 64-bit slot)
+   into a per-row scratch of G slots, counts the tokens tied at a and their Gumbel-max winner, and the tokens at
+   or above b: their count, mass and Gumbel-max winner over x >= max(b, tau_min) (the draw over the kept tokens
+   that lie there).
+3. The thresholds are then found in the scratch alone (`_finish`): a bisection of the 32-bit order-preserving key
+   with PIVOTS pivots per sweep of at most G slots, at most 8 sweeps per threshold, then one sweep for the draw.
+   Ties need no care: tied tokens share one key.
 
-Where the bracket comes from, and the passes each kind of row costs (a pass over 256 x 151,936 bf16 logits reads
-78 MB):
+Passes by kind of row:
 
-- greedy: one pass (argmax). Temperature only: one draw pass. Min-p only: a max pass, then the draw pass.
-- top-k <= NARROW_K (with or without top-p and min-p), `_sample_kernel`: the lane-maximum pass (per-lane maxima
-  of BLOCK lanes; lane j holds ids j, j + BLOCK, ...), then the bracket pass, then the scratch: 2 passes for
-  every row. a = the k-th largest lane maximum: at least k tokens lie at or above it, and the tokens above it lie
-  in fewer than k lanes, so at most (k - 1) * lane_len of them; when more than NARROW_K lanes tie at a, the
-  tokens tied at a are counted instead of gathered, else those lanes bound them. G = NARROW_K * lane_len slots
-  therefore always suffice: no row of this kind ever needs more than these two passes.
-- top-p without top-k, or top-k > NARROW_K, `_sample_wide_kernel`: a stats pass (max, mass, per-lane maxima, a
-  sample of BLOCK logits, one per lane at varying blocks), then the bracket pass with the draw over x >= b fused
-  in, then the scratch: 2 passes. a and b are sample quantiles around the threshold's estimated rank, widened by
-  six standard deviations of the estimate (capped so the bracket holds about 0.3 G tokens), and tightened by the
-  per-lane maxima (mass at or above the lane maxima is a lower bound of mass(x >= v)). The bracket pass
-  measures what it needs to check the bracket (count and mass at or above b, in the scratch, tied at a); a row
-  whose bracket missed (a sample laid out against the rows' structure; not met on random, peaked, flat, tied or
-  captured logits) is marked SEARCH.
-- SEARCH rows, `_sample_search_kernel`: the previous exact search (stats, up to MAX_PASSES narrowing passes per
-  threshold with PIVOTS_SEARCH thresholds each, an exact sort of the last interval, the draw). Every other row
-  returns at once from the kernels that are not its own.
+- greedy: one (argmax). Temperature only: one (the draw). Min-p only: two (the maximum, the draw).
+- top-k <= NARROW (with or without top-p and min-p), `_sample_kernel`: two, for every input. The lane-maximum pass
+  (the maxima of BLOCK lanes, lane j holding ids j, j + BLOCK, ...), then the bracket pass with a = the k-th
+  largest lane maximum, b = +inf: at least k tokens lie at or above a, and the tokens above a lie in the fewer
+  than k lanes whose maximum exceeds a, so there are at most (k - 1) * lane_len of them. The tokens tied at a are
+  gathered too when at most NARROW lanes reach a (those lanes bound them), else counted. G = NARROW * lane_len
+  slots therefore always suffice. The gather pass computes the Gumbel scores only when it counts ties.
+- top-p without top-k, top-k > NARROW, `_sample_wide_kernel`: two. A stats pass (maximum, mass, finite count,
+  the lane maxima and a sample of one logit per lane, lane j sampling block j mod the number of blocks), then
+  the bracket pass with the draw over x >= b fused in. a and b are the sample's quantiles six standard deviations
+  of the estimate below and above the threshold's estimated rank (capped so the bracket holds about 0.3 G
+  tokens), tightened by the lane maxima (the mass at or above the lane maxima >= v is a lower bound of
+  mass(x >= v)); a row with at most G finite logits gathers them all. The bracket pass measures all the bracket
+  needs to be checked (count and mass at or above b, in the scratch, tied at a). A row whose bracket missed
+  (its sample laid out against the row, e.g. every logit but the sampled ones high; none of the kinds
+  scripts/bench_sampler.py times) takes the exact search instead, in the same kernel (`_search_row`: up to
+  MAX_PASSES narrowing passes per threshold with PIVOTS_SEARCH pivots each, a sort of the last interval, the
+  draw), and its counters[3] says so.
 """
 from __future__ import annotations
 
@@ -66,13 +67,13 @@ DEFAULT_WARPS = 16
 NARROW_K = 512  # top-k up to this (and BLOCK) takes the lane-maximum bracket
 PIVOTS = 16  # pivots per sweep of the scratch bisection
 CHUNK = 512  # slots per step of a scratch sweep
-# the SEARCH fallback: thresholds per narrowing pass, passes per threshold, tokens sorted in registers
+# the exact search of a row whose bracket missed: pivots per narrowing pass, passes per threshold, tokens sorted
 PIVOTS_SEARCH = 8
 MAX_PASSES = 12
 SEARCH_CAP = 512
 
 WIDE = tl.constexpr(-2)  # `out` of a row left by _sample_kernel to _sample_wide_kernel
-SEARCH = tl.constexpr(-3)  # `out` of a row left to _sample_search_kernel
+SEARCH = tl.constexpr(-3)  # a row whose bracket missed: the exact search finishes it
 NO_KEY = tl.constexpr(-9223372036854775808)  # below every scratch key
 HALF = tl.constexpr(2147483648)
 U_TOP = tl.constexpr(4294967296)  # above every key
@@ -575,42 +576,60 @@ def _wide_bracket(lane_max, sample, row_max, inv_t, finite, total_mass, k_target
 
 @triton.jit
 def _sample_wide_kernel(logits, stride, out, temperatures, top_k, top_p, min_p, seeds, positions, scratch,
-                        counters, vocab, G, BLOCK: tl.constexpr, CHUNK: tl.constexpr, PIVOTS: tl.constexpr):
+                        counters, vocab, G, BLOCK: tl.constexpr, CHUNK: tl.constexpr, PIVOTS: tl.constexpr,
+                        SEARCH_PIVOTS: tl.constexpr, SEARCH_CAP: tl.constexpr, MAX_PASSES: tl.constexpr):
     """The rows _sample_kernel marked WIDE (every other row returns at once): top-p without top-k, top-k >
-    NARROW; a stats pass, the bracket pass with the draw over x >= b, the thresholds in the scratch."""
+    NARROW; a stats pass, the bracket pass with the draw over x >= b, the thresholds in the scratch. A row whose
+    bracket missed (or marked SEARCH) takes the exact search, and its counters[3] says so."""
     row = tl.program_id(0).to(tl.int64)
-    if tl.load(out + row) == WIDE:
+    code = tl.load(out + row)
+    if (code == WIDE) | (code == SEARCH):
         base = logits + row * stride
         temperature, inv_t, k, p, minimum_p, row_key, topk_on, topp_on = _row_settings(
             temperatures, top_k, top_p, min_p, seeds, positions, row, vocab)
-        lane_max, lane_min, lane_finite, lane_mass, sample = _wide_stats_pass(base, vocab, inv_t, BLOCK)
-        row_max = tl.max(lane_max, axis=0)
-        token = tl.full([], 0, tl.int64)  # every token banned: 0, as the torch argmax gives
-        if row_max > float("-inf"):
-            finite = tl.sum(lane_finite, axis=0)
-            total_mass = tl.sum(lane_mass * tl.exp((lane_max - row_max) * inv_t), axis=0)
-            tau_min = _min_p_threshold(row_max, temperature, minimum_p)
-            k_target = tl.minimum(k, finite.to(tl.int64))
-            a = tl.full([], float("-inf"), tl.float32)
-            b = tl.full([], float("inf"), tl.float32)
-            ties = finite < 0
-            if finite > G:  # else every finite logit fits in the scratch
-                a, b, ties = _wide_bracket(lane_max, sample, row_max, inv_t, finite, total_mass, k_target, topk_on, p,
-                                           topp_on, G, BLOCK)
-            floor = tl.maximum(b, tau_min)
-            draw = floor < float("inf")
-            n, tie_count, tie_best, tie_token, above_count, above_mass, best, best_token = _bracket_pass(
-                base, vocab, a, b, floor, row_max, inv_t, row_key, scratch + row * G, counters + row * 4,
-                ties | (draw & (a > float("-inf"))), draw, G, BLOCK, True)
-            token = tl.full([], SEARCH, tl.int64)
-            if n <= G:
-                token = _finish(scratch + row * G, n, a, b, tie_count, tie_best, tie_token, above_count, above_mass,
-                                best, best_token, row_max, inv_t, k_target, topk_on, p, topp_on, tau_min,
-                                total_mass, a == float("-inf"), row_key, vocab, CHUNK, PIVOTS)
+        token = code
+        if code == WIDE:
+            token = _wide_row(base, vocab, temperature, inv_t, k, p, minimum_p, row_key, topk_on, topp_on,
+                              scratch + row * G, counters + row * 4, G, BLOCK, CHUNK, PIVOTS)
+        if token == SEARCH:
+            token = _search_row(base, vocab, temperature, inv_t, k, p, minimum_p, row_key, topk_on, topp_on,
+                                scratch + row * G, counters + row * 4, BLOCK, SEARCH_PIVOTS, SEARCH_CAP, MAX_PASSES)
+            tl.store(counters + row * 4 + 3, 1)
         tl.store(out + row, token)
 
 
-# ---- the exact search, for SEARCH rows -------------------------------------------------------------------------
+@triton.jit
+def _wide_row(base, vocab, temperature, inv_t, k, p, minimum_p, row_key, topk_on, topp_on, scratch_row, counter, G,
+              BLOCK: tl.constexpr, CHUNK: tl.constexpr, PIVOTS: tl.constexpr):
+    """A wide row's token, or SEARCH when its bracket missed."""
+    lane_max, lane_min, lane_finite, lane_mass, sample = _wide_stats_pass(base, vocab, inv_t, BLOCK)
+    row_max = tl.max(lane_max, axis=0)
+    token = tl.full([], 0, tl.int64)  # every token banned: 0, as the torch argmax gives
+    if row_max > float("-inf"):
+        finite = tl.sum(lane_finite, axis=0)
+        total_mass = tl.sum(lane_mass * tl.exp((lane_max - row_max) * inv_t), axis=0)
+        tau_min = _min_p_threshold(row_max, temperature, minimum_p)
+        k_target = tl.minimum(k, finite.to(tl.int64))
+        a = tl.full([], float("-inf"), tl.float32)
+        b = tl.full([], float("inf"), tl.float32)
+        ties = finite < 0
+        if finite > G:  # else every finite logit fits in the scratch
+            a, b, ties = _wide_bracket(lane_max, sample, row_max, inv_t, finite, total_mass, k_target, topk_on, p,
+                                       topp_on, G, BLOCK)
+        floor = tl.maximum(b, tau_min)
+        draw = floor < float("inf")
+        n, tie_count, tie_best, tie_token, above_count, above_mass, best, best_token = _bracket_pass(
+            base, vocab, a, b, floor, row_max, inv_t, row_key, scratch_row, counter,
+            ties | (draw & (a > float("-inf"))), draw, G, BLOCK, True)
+        token = tl.full([], SEARCH, tl.int64)
+        if n <= G:
+            token = _finish(scratch_row, n, a, b, tie_count, tie_best, tie_token, above_count, above_mass, best,
+                            best_token, row_max, inv_t, k_target, topk_on, p, topp_on, tau_min, total_mass,
+                            a == float("-inf"), row_key, vocab, CHUNK, PIVOTS)
+    return token
+
+
+# ---- the exact search, for rows whose bracket missed -------------------------------------------------------------------------
 
 
 @triton.jit
@@ -725,58 +744,47 @@ def _first_reaching(values, cumulative, target, filled, lanes, CAP: tl.constexpr
 
 
 @triton.jit
-def _sample_search_kernel(logits, stride, out, temperatures, top_k, top_p, min_p, seeds, positions, scratch,
-                          counters, vocab, G, BLOCK: tl.constexpr, PIVOTS: tl.constexpr, CAP: tl.constexpr,
-                          MAX_PASSES: tl.constexpr):
-    """The rows marked SEARCH (every other row returns at once): narrowing passes place top-k, then top-p among
-    its survivors, each exactly once at most CAP tokens remain in its interval (else, after MAX_PASSES passes,
-    the whole interval is kept); one last pass draws over the kept set."""
-    row = tl.program_id(0).to(tl.int64)
-    if tl.load(out + row) == SEARCH:
-        base = logits + row * stride
-        temperature, inv_t, k, p, minimum_p, row_key, topk_on, topp_on = _row_settings(
-            temperatures, top_k, top_p, min_p, seeds, positions, row, vocab)
-        row_max, row_min, finite, total = _stats_pass(base, vocab, inv_t, BLOCK)
-        tau = _min_p_threshold(row_max, temperature, minimum_p)
-        k_target = tl.minimum(k, finite).to(tl.float32)
-        lanes = tl.arange(0, CAP)
-        scratch_row = scratch + row * G
-        counter = counters + row * 4
+def _search_row(base, vocab, temperature, inv_t, k, p, minimum_p, row_key, topk_on, topp_on, scratch_row, counter,
+                BLOCK: tl.constexpr, PIVOTS: tl.constexpr, CAP: tl.constexpr, MAX_PASSES: tl.constexpr):
+    """A row whose bracket missed: narrowing passes place top-k, then top-p among its survivors, each exactly once
+    at most CAP tokens remain in its interval (else, after MAX_PASSES passes, the whole interval is kept); one
+    last pass draws over the kept set."""
+    row_max, row_min, finite, total = _stats_pass(base, vocab, inv_t, BLOCK)
+    tau = _min_p_threshold(row_max, temperature, minimum_p)
+    k_target = tl.minimum(k, finite).to(tl.float32)
+    lanes = tl.arange(0, CAP)
+    if topk_on:
+        lo, hi, count_lo, count_hi, mass_lo, mass_hi = _search(
+            base, vocab, row_max, inv_t, row_min, finite, total, k_target, False, BLOCK, PIVOTS, CAP, MAX_PASSES)
+    else:
+        lo, hi, count_lo, count_hi, mass_lo, mass_hi = _search(
+            base, vocab, row_max, inv_t, row_min, finite, total, p * total, True, BLOCK, PIVOTS, CAP, MAX_PASSES)
+    threshold = lo  # more than CAP tokens still in [lo, hi) after MAX_PASSES: keep them all
+    count_kept = count_lo
+    survivors = mass_lo
+    if count_lo - count_hi <= CAP:  # the exact threshold, inside the interval
+        values, ids, filled = _gather_sorted(base, vocab, lo, hi, scratch_row, counter + 1, BLOCK, CAP)
+        weights = tl.where(filled, tl.exp((values - row_max) * inv_t), 0.0)
         if topk_on:
-            lo, hi, count_lo, count_hi, mass_lo, mass_hi = _search(
-                base, vocab, row_max, inv_t, row_min, finite, total, k_target, False, BLOCK, PIVOTS, CAP, MAX_PASSES)
+            threshold = _first_reaching(values, (count_hi + lanes + 1).to(tl.float32), k_target, filled, lanes, CAP)
         else:
-            lo, hi, count_lo, count_hi, mass_lo, mass_hi = _search(
-                base, vocab, row_max, inv_t, row_min, finite, total, p * total, True, BLOCK, PIVOTS, CAP, MAX_PASSES)
-        threshold = lo  # more than CAP tokens still in [lo, hi) after MAX_PASSES: keep them all
-        count_kept = count_lo
-        survivors = mass_lo
-        if count_lo - count_hi <= CAP:  # the exact threshold, inside the interval
-            values, ids, filled = _gather_sorted(base, vocab, lo, hi, scratch_row, counter + 1, BLOCK, CAP)
+            threshold = _first_reaching(values, mass_hi + tl.cumsum(weights, axis=0), p * total, filled, lanes, CAP)
+        kept = filled & (values >= threshold)
+        count_kept = count_hi + tl.sum(kept.to(tl.int32), axis=0)
+        survivors = mass_hi + tl.sum(tl.where(kept, weights, 0.0), axis=0)
+    if topk_on & topp_on:  # top-p inside the top-k survivors: a second search, up from tau_k
+        lo, hi, count_lo, count_hi, mass_lo, mass_hi = _search(
+            base, vocab, row_max, inv_t, threshold, count_kept, survivors, p * survivors, True, BLOCK, PIVOTS, CAP,
+            MAX_PASSES)
+        tau_k = threshold
+        threshold = lo
+        if count_lo - count_hi <= CAP:
+            values, ids, filled = _gather_sorted(base, vocab, lo, hi, scratch_row, counter + 2, BLOCK, CAP)
             weights = tl.where(filled, tl.exp((values - row_max) * inv_t), 0.0)
-            if topk_on:
-                threshold = _first_reaching(values, (count_hi + lanes + 1).to(tl.float32), k_target, filled,
-                                            lanes, CAP)
-            else:
-                threshold = _first_reaching(values, mass_hi + tl.cumsum(weights, axis=0), p * total, filled,
-                                            lanes, CAP)
-            kept = filled & (values >= threshold)
-            count_kept = count_hi + tl.sum(kept.to(tl.int32), axis=0)
-            survivors = mass_hi + tl.sum(tl.where(kept, weights, 0.0), axis=0)
-        if topk_on & topp_on:  # top-p inside the top-k survivors: a second search, up from tau_k
-            lo, hi, count_lo, count_hi, mass_lo, mass_hi = _search(
-                base, vocab, row_max, inv_t, threshold, count_kept, survivors, p * survivors, True, BLOCK, PIVOTS,
-                CAP, MAX_PASSES)
-            tau_k = threshold
-            threshold = lo
-            if count_lo - count_hi <= CAP:
-                values, ids, filled = _gather_sorted(base, vocab, lo, hi, scratch_row, counter + 2, BLOCK, CAP)
-                weights = tl.where(filled, tl.exp((values - row_max) * inv_t), 0.0)
-                threshold = _first_reaching(values, mass_hi + tl.cumsum(weights, axis=0), p * survivors,
-                                            filled, lanes, CAP)
-            threshold = tl.maximum(threshold, tau_k)
-        tau = tl.maximum(tau, threshold)
-        tl.store(out + row, _draw_pass(base, vocab, tau, inv_t, row_key, BLOCK))
+            threshold = _first_reaching(values, mass_hi + tl.cumsum(weights, axis=0), p * survivors, filled, lanes,
+                                        CAP)
+        threshold = tl.maximum(threshold, tau_k)
+    return _draw_pass(base, vocab, tl.maximum(tau, threshold), inv_t, row_key, BLOCK)
 
 
 # ---- the entry -------------------------------------------------------------------------------------------------
@@ -801,14 +809,14 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.
         return out
     slots = scratch_slots(vocab, block, narrow)
     scratch = torch.empty(batch, slots, dtype=torch.int64, device=logits.device)
-    counters = torch.zeros(batch, 4, dtype=torch.int32, device=logits.device)  # one per gather of a row
+    # per row: the gathers' slot counters (the bracket's, the search's two), whether the search ran
+    counters = torch.zeros(batch, 4, dtype=torch.int32, device=logits.device)
     args = (logits, logits.stride(0), out, temperatures, top_k, top_p, min_p, seeds, positions, scratch, counters,
             vocab, slots)
     _sample_kernel[(batch,)](*args, BLOCK=block, NARROW=min(narrow, block), CHUNK=CHUNK, PIVOTS=PIVOTS,
                              num_warps=num_warps)
-    _sample_wide_kernel[(batch,)](*args, BLOCK=block, CHUNK=CHUNK, PIVOTS=PIVOTS, num_warps=num_warps)
-    _sample_search_kernel[(batch,)](*args, BLOCK=block, PIVOTS=PIVOTS_SEARCH, CAP=SEARCH_CAP, MAX_PASSES=MAX_PASSES,
-                                    num_warps=num_warps)
+    _sample_wide_kernel[(batch,)](*args, BLOCK=block, CHUNK=CHUNK, PIVOTS=PIVOTS, SEARCH_PIVOTS=PIVOTS_SEARCH,
+                                  SEARCH_CAP=SEARCH_CAP, MAX_PASSES=MAX_PASSES, num_warps=num_warps)
     return out
 
 

@@ -17,7 +17,8 @@ with controls hold histories of 100-1,024 prompt and 0-512 output tokens.
 
 Each line: kind, setting, batch, vocab, `ms` (median of --reps CUDA-event timings), `agree` (the fraction of rows
 whose token equals the torch reference path's on the same logits and seeds: 1.0 but for knife-edge rounding),
-`rows_wide` / `rows_search` (rows the first kernel left to the wide kernel / that the search fallback finished).
+`rows_wide` / `rows_search` (rows the first kernel left to the wide kernel / whose bracket missed, finished by the
+exact search).
 Then one `summary` line per setting, over the kinds at --vocab: the typical time (median over the captured kinds,
 else over normal and zipf), the worst kind and its time, worst / typical. --sweep also times the kernels at other
 (block, num_warps)."""
@@ -159,7 +160,7 @@ class Step:
 
 
 def kernel_paths(logits: torch.Tensor, settings, kernels) -> tuple[int, int]:
-    """(rows the first kernel left to the wide one, rows the search fallback finished)."""
+    """(rows the first kernel left to the wide one, rows whose bracket missed and the exact search finished)."""
     batch, vocab = logits.shape
     slots = kernels.scratch_slots(vocab)
     out = torch.empty(batch, dtype=torch.int64, device=logits.device)
@@ -171,8 +172,9 @@ def kernel_paths(logits: torch.Tensor, settings, kernels) -> tuple[int, int]:
                   num_warps=kernels.DEFAULT_WARPS)
     kernels._sample_kernel[(batch,)](*args, NARROW=min(kernels.NARROW_K, kernels.DEFAULT_BLOCK), **config)
     wide = int((out == kernels.WIDE.value).sum())
-    kernels._sample_wide_kernel[(batch,)](*args, **config)
-    return wide, int((out == kernels.SEARCH.value).sum())
+    kernels._sample_wide_kernel[(batch,)](*args, SEARCH_PIVOTS=kernels.PIVOTS_SEARCH, SEARCH_CAP=kernels.SEARCH_CAP,
+                                          MAX_PASSES=kernels.MAX_PASSES, **config)
+    return wide, int((counters[:, 3] == 1).sum())
 
 
 def main() -> None:

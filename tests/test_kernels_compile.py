@@ -38,9 +38,8 @@ sample_args = ["logits", "stride", "out", "temperatures", "top_k", "top_p", "min
 sample_types = ["*bf16", "i32", "*i64", "*fp32", "*i64", "*fp32", "*fp32", "*i64", "*i64", "*i64", "*i32", "i32", "i32"]
 for kernel, constexprs in (
         (S._sample_kernel, dict(BLOCK=S.DEFAULT_BLOCK, NARROW=S.NARROW_K, CHUNK=S.CHUNK, PIVOTS=S.PIVOTS)),
-        (S._sample_wide_kernel, dict(BLOCK=S.DEFAULT_BLOCK, CHUNK=S.CHUNK, PIVOTS=S.PIVOTS)),
-        (S._sample_search_kernel, dict(BLOCK=S.DEFAULT_BLOCK, PIVOTS=S.PIVOTS_SEARCH, CAP=S.SEARCH_CAP,
-                                       MAX_PASSES=S.MAX_PASSES))):
+        (S._sample_wide_kernel, dict(BLOCK=S.DEFAULT_BLOCK, CHUNK=S.CHUNK, PIVOTS=S.PIVOTS,
+                                     SEARCH_PIVOTS=S.PIVOTS_SEARCH, SEARCH_CAP=S.SEARCH_CAP, MAX_PASSES=S.MAX_PASSES))):
     signature = dict(zip(sample_args, sample_types), **dict.fromkeys(constexprs, "constexpr"))
     build(kernel, signature, constexprs, S.DEFAULT_WARPS, sample_args)
 penalty_args = P2._penalties_kernel.arg_names[:-1]

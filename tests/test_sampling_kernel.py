@@ -51,7 +51,7 @@ def run_kernel(logits, t, **config):
 
 
 def run_stages(logits, t, block=BLOCK, narrow=NARROW):
-    """`out` after each kernel of fused_sample: (after the first, after the wide one, final tokens)."""
+    """(`out` after the first kernel, whether the wide kernel's search finished each row, the tokens)."""
     batch, vocab = logits.shape
     slots = sampling.scratch_slots(vocab, block, narrow)
     out = torch.empty(batch, dtype=torch.int64, device=DEVICE)
@@ -62,11 +62,10 @@ def run_stages(logits, t, block=BLOCK, narrow=NARROW):
     sampling._sample_kernel[(batch,)](*args, BLOCK=block, NARROW=min(narrow, block), CHUNK=sampling.CHUNK,
                                       PIVOTS=sampling.PIVOTS)
     first = out.clone()
-    sampling._sample_wide_kernel[(batch,)](*args, BLOCK=block, CHUNK=sampling.CHUNK, PIVOTS=sampling.PIVOTS)
-    wide = out.clone()
-    sampling._sample_search_kernel[(batch,)](*args, BLOCK=block, PIVOTS=sampling.PIVOTS_SEARCH,
-                                             CAP=sampling.SEARCH_CAP, MAX_PASSES=sampling.MAX_PASSES)
-    return first, wide, out
+    sampling._sample_wide_kernel[(batch,)](*args, BLOCK=block, CHUNK=sampling.CHUNK, PIVOTS=sampling.PIVOTS,
+                                           SEARCH_PIVOTS=sampling.PIVOTS_SEARCH, SEARCH_CAP=sampling.SEARCH_CAP,
+                                           MAX_PASSES=sampling.MAX_PASSES)
+    return first, counters[:, 3] == 1, out
 
 
 def load_bench():
@@ -90,9 +89,9 @@ def test_every_kind_samples_as_the_torch_path_on_its_bounded_path(kind):
     generator = torch.Generator().manual_seed(KINDS.index(kind))
     logits = BENCH.logits_of_kind(kind, len(SETTINGS), VOCAB, generator).to(DEVICE, BENCH.kind_dtype(kind))
     t = tensors(SETTINGS)
-    _, wide, out = run_stages(logits, t)
+    _, searched, out = run_stages(logits, t)
     assert out.tolist() == reference_sample(logits, t).tolist()
-    assert (wide != sampling.SEARCH.value).all(), [SETTINGS[i] for i in (wide == sampling.SEARCH.value).nonzero()]
+    assert not searched.any(), [SETTINGS[i] for i in searched.nonzero()]
 
 
 def test_a_mixed_batch_samples_as_the_torch_path():
@@ -108,7 +107,7 @@ def test_a_mixed_batch_samples_as_the_torch_path():
 
 def test_a_missed_bracket_falls_back_to_the_search():
     """A wide row whose sample misleads its bracket (every logit but the sampled ones is high) is finished by the
-    search kernel, with the torch path's token."""
+    exact search, with the torch path's token."""
     settings = [(1.0, None, 0.9, 0.0), (0.8, 900, 1.0, 0.0)]
     logits = torch.randn(len(settings), VOCAB, generator=torch.Generator().manual_seed(3))
     lanes = torch.arange(VOCAB) % BLOCK
@@ -116,8 +115,8 @@ def test_a_missed_bracket_falls_back_to_the_search():
     logits[:, ~sampled] += 6.0  # the sample sees only low logits: it places both thresholds too low
     logits = logits.to(DEVICE)
     t = tensors(settings)
-    _, wide, out = run_stages(logits, t)
-    assert (wide == sampling.SEARCH.value).all()
+    _, searched, out = run_stages(logits, t)
+    assert searched.all()
     assert out.tolist() == reference_sample(logits, t).tolist()
 
 
