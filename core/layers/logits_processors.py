@@ -33,6 +33,12 @@ def _check_float32(logits: torch.Tensor) -> None:
         raise TypeError(f"logits must be float32 for logit controls, got {logits.dtype}")
 
 
+def upload(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host values on the device without waiting for the work queued there: the driver stages a pageable copy at
+    once, where a blocking one would first synchronise the stream (stalling the async loop at every join)."""
+    return torch.as_tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 def _use_kernel(logits: torch.Tensor) -> bool:
     return logits.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
 
@@ -72,23 +78,26 @@ class TokenHistory:
 
     def reset(self, slot: int, prompt_ids: Sequence[int], output_ids: Sequence[int] = ()) -> None:
         """Give a slot to a request (once, when it joins): its prompt, and any output it already has (a request
-        that resumes). The tables are built on the host and uploaded: no device synchronisation."""
-        device = self.output_counts.device
+        that resumes). The tables are built on the host and uploaded in one copy that does not wait for the
+        device."""
         prompt = np.asarray(prompt_ids, dtype=np.int64)
         output = np.asarray(output_ids, dtype=np.int64)
         seen = np.unique(np.concatenate([prompt, output]))
         output_tokens, counts = np.unique(output, return_counts=True)
-        self.output_counts[slot].zero_()
-        self.output_counts[slot, torch.from_numpy(output_tokens).to(device)] = torch.from_numpy(
-            counts.astype(np.int32)).to(device)
-        self.prompt_mask[slot].zero_()
-        self.prompt_mask[slot, torch.from_numpy(np.unique(prompt)).to(device)] = True
-        self.seen_tokens[slot, :len(seen)] = torch.from_numpy(seen.astype(np.int32)).to(device)
-        self.num_seen[slot] = len(seen)
+        prompt_tokens = np.unique(prompt)
         tail = np.full(self.window, -1, dtype=np.int64)
         if len(output):
             tail[self.window - min(len(output), self.window):] = output[-self.window:]
-        self.recent[slot] = torch.from_numpy(tail).to(device)
+        parts = (output_tokens, counts, prompt_tokens, seen, tail)
+        payload = upload(np.concatenate(parts), torch.int64, self.output_counts.device)
+        output_tokens, counts, prompt_tokens, seen, tail = payload.split([len(part) for part in parts])
+        self.output_counts[slot].zero_()
+        self.output_counts[slot, output_tokens] = counts.to(torch.int32)
+        self.prompt_mask[slot].zero_()
+        self.prompt_mask[slot, prompt_tokens] = True
+        self.seen_tokens[slot, :len(seen)] = seen.to(torch.int32)
+        self.num_seen[slot] = len(seen)
+        self.recent[slot] = tail
         self.output_lens[slot] = len(output)
 
     def record(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:

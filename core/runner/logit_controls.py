@@ -29,6 +29,7 @@ from nanovllm.layers.logits_processors import (
     apply_penalties,
     batch_index_of,
     pack_bad_words,
+    upload,
 )
 from nanovllm.sampling_params import SamplingParams
 
@@ -140,14 +141,13 @@ class LogitControls:
             def device(columns, dtypes):
                 if not columns[0]:
                     return None
-                return tuple(torch.tensor(c, dtype=d, device=self.device) for c, d in zip(columns, dtypes))
+                return tuple(upload(c, d, self.device) for c, d in zip(columns, dtypes))
 
             i64, f32 = torch.int64, torch.float32
             bad = None
             if bad_rows:
-                rows = torch.tensor(bad_rows, dtype=i64)
-                bad = tuple(t.to(self.device) for t in (rows, torch.from_numpy(self.slot_of_row[bad_rows]),
-                                                         torch.cat(bad_prefixes), torch.cat(bad_last)))
+                bad = tuple(upload(t, i64, self.device) for t in (bad_rows, self.slot_of_row[bad_rows],
+                                                                   torch.cat(bad_prefixes), torch.cat(bad_last)))
             self._sparse = _Sparse(device(bias, (i64, i64, f32)), device(allowed, (i64, i64)),
                                    device(min_tokens, (i64, i64, i64)), bad)
         return self._sparse
