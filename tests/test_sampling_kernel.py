@@ -1,5 +1,6 @@
 """The fused sampling kernels draw the same tokens as the torch path (`reference_sample`) for the same seeds, on
-every kind of logits the issue of bounded sampling time names, and they take their bounded path for every row.
+every kind of logits scripts/bench_sampler.py times (normal, zipf, all equal, ties in bf16, peaked, flat, huge
+magnitudes, few finite, a mixed batch), and they take their bounded path for every row.
 
 Without CUDA the kernels run in Triton's interpreter on small shapes: 4096 logits over 256 lanes with the narrow
 path up to top-k 128, so the scratch (2048 slots) holds half the row and the wide rows' sample brackets are as wide,
