@@ -16,7 +16,7 @@ from nanovllm.config import EngineConfig
 from nanovllm.distributed import min_over_ranks
 from nanovllm.kv_groups import max_blocks_held, plan_kv_groups
 from nanovllm.layers.logprobs import TokenLogprobs, chunked_logprobs, compute_logprobs
-from nanovllm.layers.sampler import sample
+from nanovllm.layers.sampler import sample, warm_up_sampling
 from nanovllm.loaders import ResolvedModel, load_weights
 from nanovllm.loaders.quantization import fp8_scheme
 from nanovllm.models.geometry import head_dim_of, kv_block_bytes, kv_heads_per_rank
@@ -174,6 +174,10 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self._graph_inputs, self.tables, self.max_batch_size,
                                        max_model_len, self.block_size, self.num_groups)
             self.startup_s["cuda_graphs"] = time.perf_counter() - started
+        if self.device.type == "cuda":  # every sampling kernel compiled now, not inside the first job that needs it
+            started = time.perf_counter()
+            warm_up_sampling(self.device, self.vocab_size, self.dtype)
+            self.startup_s["sampling_kernels"] = time.perf_counter() - started
 
     def release(self) -> None:
         """Free the device memory (weights, KV cache, CUDA graphs, step buffers); the runner runs no more steps."""
@@ -264,8 +268,8 @@ class ModelRunner:
     @torch.inference_mode()
     def _sample_worst(self, logits: torch.Tensor) -> None:
         """Sampling's heaviest path on every row of `logits`: a structured-output mask on each, the float32 copy
-        the logit controls edit, every filter, and the most logprobs a row may ask (so their workspaces are in
-        the measured peak, and their kernels are compiled before any job runs)."""
+        the logit controls edit, every filter, and the most logprobs a row may ask, so that their workspaces are in
+        the measured peak."""
         from nanovllm.kernels.token_bitmask import apply_token_bitmask, bitmask_width  # CUDA only: Triton
 
         rows = len(logits)
