@@ -113,6 +113,7 @@ class ModelRunner:
             raise ValueError(f"the {backend.name} attention backend needs a block_size divisible by "
                              f"{backend.required_block_size_multiple}; got block_size={self.block_size}")
         self.max_model_len = max_model_len
+        self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.vocab_size = self.hf_config.vocab_size
         self.num_kv_heads = kv_heads_per_rank(self.hf_config)
 
@@ -147,7 +148,6 @@ class ModelRunner:
 
         self.max_num_seqs = config.max_num_seqs or self._default_max_num_seqs()
         self.max_batch_size = min(self.max_num_seqs, config.max_num_batched_tokens)
-        self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.buffers = StepBuffers(self._buffer_fields(), self.device)
         self.persistent = PersistentBatch(self.max_batch_size, self.max_blocks_per_seq, self.num_groups,
                                           self.block_size, self.vocab_size, eos_token_ids, self.device)
@@ -240,30 +240,55 @@ class ModelRunner:
         worst = WorstStep(activations=meter.peak_of(lambda: self._sample_worst(self._warmup_forward(
                               self.config.max_num_batched_tokens, rows))),
                           graph_pool=meter.peak_of(lambda: self._warmup_forward(rows, rows)) if self._uses_graphs else 0)
+        self._warmup_mixed_step()
         del scratch
         self._bind_kv_cache(None)
         budget = kv_cache_bytes(meter.measure(self.model, worst), self.config.gpu_memory_utilization)
         return budget // self.kv_block_bytes
 
-    @torch.inference_mode()
     def _warmup_forward(self, num_tokens: int, num_seqs: int) -> torch.Tensor:
-        """The logits of a forward of `num_tokens` tokens over `num_seqs` sequences (each within max_model_len),
+        """The logits of a prefill of `num_tokens` tokens over `num_seqs` sequences (each within max_model_len),
         every sequence's last token sampled, on the scratch cache."""
         num_tokens = min(num_tokens, num_seqs * self.max_model_len)
         lens = [num_tokens // num_seqs] * num_seqs
         lens[-1] += num_tokens - sum(lens)
+        return self._scratch_forward(lens, lens)
+
+    def _warmup_mixed_step(self) -> None:
+        """A step of a stream on the scratch cache: decodes of long contexts split over the KV range, then an
+        odd-sized prompt chunk; it compiles the kernel variants a mixed step uses, which a prefill and the decode
+        graphs do not."""
+        context = min(4096, self.max_model_len)
+        chunk = max(min(255, self.max_model_len, self.config.max_num_batched_tokens - 4), 1)
+        decodes = 4
+        self._scratch_forward([1] * decodes + [chunk], [context] * decodes + [chunk], decodes,
+                              self.backend.decode_num_splits(decodes, context, self.num_kv_heads))
+
+    @torch.inference_mode()
+    def _scratch_forward(self, query_lens: list[int], seq_lens: list[int], num_decodes: int = 0,
+                         decode_num_splits: int = 1) -> torch.Tensor:
+        """The logits of a forward whose sequence i computes its last `query_lens[i]` of `seq_lens[i]`
+        positions, every sequence's last token sampled, on the scratch cache (no write, every block the scratch)."""
+        num_tokens, num_seqs = sum(query_lens), len(query_lens)
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
-        positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
-        starts = torch.tensor([0] + lens, device=self.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        positions = torch.cat([torch.arange(s - q, s, device=self.device) for q, s in zip(query_lens, seq_lens)])
+        starts = torch.tensor([0] + query_lens, device=self.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
         groups = self.num_groups
         meta = AttentionMetadata.grouped(
             slot_mapping=torch.full((groups, num_tokens), -1, dtype=torch.int64, device=self.device),
-            block_tables=torch.zeros(groups, num_seqs, -(-max(lens) // self.block_size), dtype=torch.int32,
+            block_tables=torch.zeros(groups, num_seqs, self._eager_table_width(max(seq_lens)), dtype=torch.int32,
                                      device=self.device),
-            query_start_loc=starts, seq_lens=torch.tensor(lens, dtype=torch.int32, device=self.device),
-            max_query_len=max(lens), max_seq_len=max(lens))
+            query_start_loc=starts, seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
+            max_query_len=max(query_lens), max_seq_len=max(seq_lens), num_decodes=num_decodes,
+            decode_num_splits=decode_num_splits)
         hidden = self.model(ids, positions, meta)
         return self.model.compute_logits(hidden[starts[1:] - 1])
+
+    def _eager_table_width(self, max_seq_len: int) -> int:
+        """Blocks of each table an eager step gathers: enough for its longest context, rounded up to a multiple
+        of 16, so that the attention kernels see one table stride class (Triton specializes an integer argument
+        by its divisibility by 16) and no step compiles a variant the warm-up did not."""
+        return min(-(-max_seq_len // (16 * self.block_size)) * 16, self.max_blocks_per_seq)
 
     @torch.inference_mode()
     def _sample_worst(self, logits: torch.Tensor) -> None:
@@ -459,7 +484,7 @@ class ModelRunner:
                 self.tables.apply(inputs.table_updates)
             meta = AttentionMetadata.grouped(
                 slot_mapping=inputs.slot_mapping, block_tables=self.tables.gather_groups(
-                    inputs.rows, self.num_groups, -(-inputs.max_seq_len // self.block_size)),
+                    inputs.rows, self.num_groups, self._eager_table_width(inputs.max_seq_len)),
                 query_start_loc=inputs.query_start_loc, seq_lens=inputs.seq_lens,
                 max_query_len=inputs.max_query_len, max_seq_len=inputs.max_seq_len,
                 decode_num_splits=inputs.decode_num_splits, num_decodes=inputs.num_decodes)
