@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
@@ -67,10 +68,10 @@ def warmup_workload(llm, seed: int) -> Workload:
 
 
 def run_workload(llm, workload: Workload, label: str, show_progress: bool,
-                 sampling: dict | None = None) -> tuple[dict, list]:
+                 sampling: dict | None = None, lora_requests: list | None = None) -> tuple[dict, list]:
     """Every request of `workload` (EOS ignored) with the `sampling` settings (SamplingParams fields, a
-    structured-output constraint included; greedy by default). Returns the engine's step stats and the outputs in
-    workload order."""
+    structured-output constraint included; greedy by default), and each request's LoRA adapter when
+    `lora_requests` gives them. Returns the engine's step stats and the outputs in workload order."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from nanovllm import SamplingParams
@@ -78,8 +79,9 @@ def run_workload(llm, workload: Workload, label: str, show_progress: bool,
     llm.reset_prefix_cache()
     llm.reset_stats()
     settings = {"temperature": 0, **(sampling or {})}
-    request_ids = [llm.add_request(prompt, SamplingParams(**settings, max_tokens=max_tokens, ignore_eos=True))
-                   for prompt, max_tokens in zip(workload.prompts, workload.output_lens)]
+    adapters = [{"lora_request": r} for r in lora_requests] if lora_requests else [{}] * len(workload.prompts)
+    request_ids = [llm.add_request(prompt, SamplingParams(**settings, max_tokens=max_tokens, ignore_eos=True), **lora)
+                   for prompt, max_tokens, lora in zip(workload.prompts, workload.output_lens, adapters)]
     outputs = {}
     with Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   disable=not show_progress, transient=True) as progress:
@@ -160,6 +162,23 @@ def structured_pair(llm, workload: Workload, sampling: dict, structured, label: 
             "structured_over_unstructured": stats["output_tok_s"] / unstructured["output_tok_s"]}
 
 
+def lora_pair(llm, workload: Workload, sampling: dict, adapters: list, label: str, show_progress: bool,
+              warmup_seed: int | None) -> dict:
+    """The workload with the LoRA adapters spread over its rows (bench_lora.py), then on the base model, in the
+    same engine; their output throughputs' ratio. The warm-up (`warmup_seed`) runs with the adapters: the LoRA
+    kernels' compiles, their graphs' first launches and the adapters' first loads stay out of the measured runs."""
+    from nanovllm_cli.bench_lora import spread
+
+    if warmup_seed is not None:
+        warm = warmup_workload(llm, warmup_seed)
+        run_workload(llm, warm, f"{label} lora warm-up", False, sampling, spread(adapters, len(warm.prompts)))
+    lora, outputs = run_workload(llm, workload, f"{label} lora", show_progress, sampling,
+                                 spread(adapters, len(workload.prompts)))
+    lora["rows_failed"] = sum(out.finish_reason == "error" for out in outputs)
+    base, _ = run_workload(llm, workload, f"{label} base", show_progress, sampling)
+    return {"lora": lora, "base": base, "lora_over_base": lora["output_tok_s"] / base["output_tok_s"]}
+
+
 @with_engine_options()
 def bench(
     num_seqs: Annotated[int, typer.Option(help="Synthetic requests.", rich_help_panel=WORKLOAD)] = 256,
@@ -191,6 +210,10 @@ def bench(
     logprobs: Annotated[int | None, typer.Option(
         help="Logprobs of each generated token with the top K alternatives.", rich_help_panel=SAMPLING)] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
+    lora: Annotated[int, typer.Option(
+        help="N > 0: N random LoRA adapters of --lora-rank spread over the rows, then the same rows on the base "
+             "model, in one engine, and compare.", rich_help_panel=WORKLOAD)] = 0,
+    lora_rank: Annotated[int, typer.Option(help="The rank of --lora's adapters.", rich_help_panel=WORKLOAD)] = 16,
     *,
     engine: EngineOptions,
 ) -> None:
@@ -217,6 +240,14 @@ def bench(
     replicated = engine.data_parallel_size > 1
     if replicated and constraint is not None:
         raise o.fail("--structured measures one engine: drop --data-parallel-size")
+    adapter_dir = None
+    if lora:
+        from nanovllm_cli.bench_lora import lora_engine
+
+        if lora < 0 or lora_rank < 1 or replicated or constraint is not None:
+            raise o.fail("--lora N needs N >= 1 and --lora-rank >= 1, on one engine without --structured")
+        engine = lora_engine(engine, lora_rank)
+        adapter_dir = tempfile.TemporaryDirectory(prefix="nanovllm-bench-lora-")
     if replicated:
         from nanovllm_cli.replicas import load_replicas
 
@@ -243,6 +274,10 @@ def bench(
                                           ceilings)
 
         compile_s = compile_times(llm, constraint) if constraint is not None else None  # before any run: cold
+        if lora:
+            from nanovllm_cli.bench_lora import random_adapters
+
+            adapters = random_adapters(llm, lora, lora_rank, seed, Path(adapter_dir.name))
         modes = [False, True] if compare else [engine.async_scheduling]
         results = {}
         for overlap in modes:
@@ -260,6 +295,9 @@ def bench(
             if warmup:
                 run_workload(llm, warmup_workload(llm, seed), f"{label} warm-up", False, sampling)
             show = console.is_terminal and not json_output
+            if lora:
+                results[label] = lora_pair(llm, workload, sampling, adapters, label, show, seed if warmup else None)
+                continue
             if constraint is not None:
                 if warmup:  # the mask's buffers and kernel, first used here
                     run_workload(llm, Workload(workload.prompts[:16], [8] * 16), f"{label} warm-up", False,
@@ -272,6 +310,8 @@ def bench(
             results[label] = stats
     finally:
         llm.exit()
+        if adapter_dir is not None:
+            adapter_dir.cleanup()
 
     report = {
         "model": info.model,
@@ -294,12 +334,16 @@ def bench(
     }
     if constraint is not None:
         report["structured"] = {"kind": structured, "schema": str(schema), "compile": compile_s}
+    elif lora:
+        report["lora"] = {"adapters": lora, "rank": lora_rank, "max_loras": info.max_loras}
     elif compare:
         report["async_over_sync"] = results["async"]["output_tok_s"] / results["sync"]["output_tok_s"]
     if json_output:
         typer.echo(json.dumps(report))
     elif constraint is not None:
         print_structured_report(report, Console())
+    elif lora:
+        print_lora_report(report, Console())
     else:
         print_report(report, Console())
 
@@ -340,6 +384,25 @@ def print_structured_report(report: dict, console) -> None:
     compile_s = report["structured"]["compile"]
     console.print(f"compile: tokenizer tables {compile_s['tokenizer_info_s']:.3f} s (once per engine), schema cold "
                   f"{compile_s['cold_s']:.3f} s, cached {compile_s['cached_s'] * 1e3:.3f} ms")
+
+
+def print_lora_report(report: dict, console) -> None:
+    from rich.table import Table
+
+    settings = report["lora"]
+    table = Table(title=f"nanovllm bench --lora {settings['adapters']} (rank {settings['rank']}, "
+                        f"{settings['max_loras']} slots) — {report['model']} on {report['device']}")
+    table.add_column("metric")
+    modes = report["modes"]
+    for name in modes:
+        table.add_column(f"{name} lora", justify="right")
+        table.add_column(f"{name} base", justify="right")
+    for row in ("requests", "output_tokens", "steps", "wall_s", "output_tok_s", "total_tok_s", "gpu_busy_frac",
+                "host_ms_per_decode_step", "tpot_p50_s", "rows_failed"):
+        table.add_row(row, *(_fmt(pair[side].get(row)) for pair in modes.values() for side in ("lora", "base")))
+    console.print(table)
+    for name, pair in modes.items():
+        console.print(f"{name}: lora / base output throughput {pair['lora_over_base']:.3f}x")
 
 
 def print_report(report: dict, console) -> None:

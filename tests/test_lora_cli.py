@@ -2,6 +2,7 @@
 their errors, admission grouped by adapter, and a job whose rows name three adapters and the base model, each
 record equal to its row run alone through `LLM.generate` with that adapter (tests/test_lora_engine.py checks
 that against PEFT)."""
+import json
 from pathlib import Path
 
 import pytest
@@ -127,3 +128,43 @@ def test_openai_lines_name_adapters_by_model(text_model, adapters, tmp_path):
         assert "is neither the base model" in records[f"unknown-{i}"]["error"]["message"]
     assert any(records[f"tone-{i}"]["response"]["body"]["choices"][0]["token_ids"]
                != records[f"{text_model}-{i}"]["response"]["body"]["choices"][0]["token_ids"] for i in range(2))
+
+
+@pytest.mark.parametrize("family", ["tiny-qwen3", "phi3"])
+def test_random_adapters_are_peft_adapters_of_the_model(family, tmp_path):
+    """What `bench --lora` runs: PEFT loads it onto the model, and the engine's rows under it match PEFT."""
+    from conftest import ARCH_CONFIGS, save_random_hf_model
+    from peft import PeftModel
+    from reference import hf_greedy
+
+    from nanovllm import save_random_lora_adapter
+
+    model_dir = save_random_hf_model(ARCH_CONFIGS["phi3-longrope"] if family == "phi3" else family, tmp_path / "m")
+    prompts = [list(range(10, 30)), [5, 6, 7]]
+    with LLM(str(model_dir), enable_lora=True, max_lora_rank=8, max_model_len=64, num_kv_blocks=16) as llm:
+        adapter = save_random_lora_adapter(llm.hf_config, tmp_path / "adapter", rank=8, seed=1, dtype=torch.float32)
+        num_layers = llm.hf_config.num_hidden_layers
+        ours = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+                            lora_request=LoRARequest("random", 1, adapter))
+    peft = PeftModel.from_pretrained(load_hf_model(model_dir, attn_implementation="eager"), adapter)
+    modules = peft.peft_config["default"].target_modules
+    assert modules == ({"qkv_proj", "o_proj", "gate_up_proj", "down_proj"} if family == "phi3" else
+                       {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
+    assert len(peft.targeted_module_names) == len(modules) * num_layers
+    assert [o.token_ids for o in ours] == hf_greedy(peft.merge_and_unload(), prompts, 5)
+
+
+def test_bench_lora_against_the_base_model_on_cpu():
+    args = ["bench", "--model", "tiny-qwen3", "--load-format", "dummy", "--max-model-len", "256", "--num-seqs", "6",
+            "--input-len-range", "5", "40", "--output-len-range", "3", "12", "--lora", "3", "--lora-rank", "8",
+            "--max-loras", "2", "--max-num-seqs", "4", "--json"]
+    result = invoke(*args)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["lora"] == {"adapters": 3, "rank": 8, "max_loras": 2}
+    pair = report["modes"]["sync"]
+    assert pair["lora"]["requests"] == pair["base"]["requests"] == 6 and pair["lora"]["rows_failed"] == 0
+    assert pair["lora"]["output_tokens"] == pair["base"]["output_tokens"]
+    assert pair["lora_over_base"] == pair["lora"]["output_tok_s"] / pair["base"]["output_tok_s"]
+    bad = invoke(*args[:-1], "--data-parallel-size", "2")
+    assert bad.exit_code == 2 and "--lora N needs" in bad.output

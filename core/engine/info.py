@@ -55,6 +55,8 @@ class EngineInfo:
     prefix_caching: bool
     quantization: str | None  # the FP8 weight scheme (layers/fp8.py), None: weights in `dtype`
     costs: CostModel
+    max_loras: int = 0  # LoRA adapters resident on the device at once (0: no LoRA)
+    max_lora_rank: int = 0
 
 
 def model_costs(hf_config, model: torch.nn.Module, kv_cache_dtype: torch.dtype) -> CostModel:

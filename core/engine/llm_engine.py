@@ -255,7 +255,9 @@ class LLM:
             max_batch_size=runner.max_batch_size, decode_batch_sizes=runner.decode_batch_sizes,
             cuda_graphs=runner.graphs is not None, prefix_caching=config.enable_prefix_caching,
             quantization=runner.fp8.name if runner.fp8 is not None else None,
-            costs=model_costs(self.hf_config, runner.model, runner.kv_cache_dtype))
+            costs=model_costs(self.hf_config, runner.model, runner.kv_cache_dtype),
+            max_loras=config.max_loras if config.enable_lora else 0,
+            max_lora_rank=config.max_lora_rank if config.enable_lora else 0)
 
     def report(self) -> dict:
         """`get_stats()`, `get_metrics()` and live token counters in one dict: {"steps", "kv_cache", "tokens"}."""

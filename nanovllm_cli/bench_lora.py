@@ -1,0 +1,30 @@
+"""`nanovllm bench --lora N`'s adapters: N random LoRA adapters of one rank for the engine's model
+(`save_random_lora_adapter`, on every attention and dense-MLP projection), spread over the workload's rows (row
+i runs adapter i mod N). The engine is made with enable_lora and max_lora_rank >= the rank; with fewer than N
+slots (--max-loras) rows wait for them, as in a real job. bench.py runs the rows with them, then on the base
+model (`lora_pair`)."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from nanovllm_cli.options import EngineOptions
+
+
+def lora_engine(engine: EngineOptions, rank: int) -> EngineOptions:
+    """The engine options with LoRA on and room for adapters of `rank`."""
+    return dataclasses.replace(engine, enable_lora=True, max_lora_rank=max(engine.max_lora_rank or 0, rank))
+
+
+def random_adapters(llm, count: int, rank: int, seed: int, root: Path) -> list:
+    """`count` random adapters of `rank` for the engine's model, written under `root`, as LoRARequests."""
+    from nanovllm import LoRARequest, save_random_lora_adapter
+
+    return [LoRARequest(f"random-{i}", i + 1, save_random_lora_adapter(llm.hf_config, root / f"adapter-{i}", rank,
+                                                                       seed + i))
+            for i in range(count)]
+
+
+def spread(adapters: list, num_rows: int) -> list:
+    """Row i's adapter: adapter i mod N."""
+    return [adapters[i % len(adapters)] for i in range(num_rows)]
