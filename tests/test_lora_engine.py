@@ -9,11 +9,12 @@ The prefix cache is keyed by adapter: rows of one prompt under different adapter
 import pytest
 import torch
 from conftest import ARCH_CONFIGS, save_random_hf_model
-from helpers import make_seq
+from helpers import GraphSizes, make_seq
 from reference import hf_greedy, load_hf_model
 
-from nanovllm import LLM, LoRARequest, SamplingParams
+from nanovllm import LLM, LoRARequest, SamplingParams, save_random_lora_adapter
 from nanovllm.engine.block_manager import BlockManager
+from nanovllm.lora.manager import LoRAManager
 
 pytest.importorskip("peft")
 
@@ -165,3 +166,47 @@ def test_fp8_weights_with_lora_are_refused():
     with pytest.raises(ValueError, match="enable_lora with FP8 weights"):
         LLM("tiny-qwen3", load_format="dummy", quantization="fp8", enable_lora=True, max_model_len=64,
             num_kv_blocks=16)
+
+
+def test_manager_hands_slot_writes_to_the_next_step_and_forgets_them_after_a_failure():
+    """One slot, two adapters: rows of the resident adapter share its slot and its one write; the other
+    adapter's row waits until the last of them is released; after a failed step every adapter is written
+    again before use."""
+    manager = LoRAManager(1, 16, check=lambda adapter: None)
+    a, b = LoRARequest("a", 1, "/a"), LoRARequest("b", 2, "/b")
+    rows = [make_seq([1]), make_seq([2]), make_seq([3])]
+    for seq, lora in zip(rows, (a, a, b)):
+        seq.lora_request = lora
+    first, second, other = rows
+    manager.admit(first)
+    manager.admit(second)
+    assert (first.lora_slot, second.lora_slot) == (0, 0) and manager.take_loads() == [(0, a)]
+    assert not manager.can_admit(other)
+    manager.release(first)
+    assert not manager.can_admit(other) and first.lora_slot == -1
+    manager.release(second)
+    assert manager.can_admit(other)
+    manager.admit(other)
+    assert manager.take_loads() == [(0, b)] and manager.take_loads() == []
+    manager.abort([other])
+    assert other.lora_slot == -1 and manager.can_admit(first)
+    manager.admit(first)
+    assert manager.take_loads() == [(0, a)]
+
+
+def test_decode_graph_step_carries_each_rows_slot_and_padding(tmp_path):
+    """A decode step padded to a graph size: the adapter row's slot, -1 for the base row and the padding; a step
+    of base rows only runs without LoRA."""
+    with LLM("tiny-qwen3", load_format="dummy", enable_lora=True, max_lora_rank=8, max_model_len=128,
+             num_kv_blocks=32) as llm:
+        adapter = LoRARequest("a", 1, save_random_lora_adapter(llm.hf_config, tmp_path / "a", 8))
+        llm.add_request(None, GREEDY, prompt_token_ids=[5, 6, 7], lora_request=adapter)
+        llm.add_request(None, GREEDY, prompt_token_ids=[8, 9])
+        llm.step()  # both prefills
+        runner = llm._runner
+        runner.graphs = GraphSizes()
+        inputs = runner.prepare(llm._scheduler.schedule())
+        assert inputs.graph_size == 4 and inputs.lora_active and inputs.lora_slots.tolist() == [0, -1, -1, -1]
+    with LLM("tiny-qwen3", load_format="dummy", enable_lora=True, max_model_len=128, num_kv_blocks=32) as llm:
+        llm.add_request(None, GREEDY, prompt_token_ids=[8, 9])
+        assert not llm._runner.prepare(llm._scheduler.schedule()).lora_active
