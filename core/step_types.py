@@ -29,6 +29,7 @@ class ScheduledSequence(Protocol):
     params: SamplingParams
     sampling_seed: int
     bad_words_token_ids: list[list[int]] | None
+    lora_slot: int  # the device slot of its LoRA adapter, -1 for the base model
 
     @property
     def token_ids(self) -> SequenceABC[int]: ...
@@ -58,7 +59,8 @@ class ScheduledBatch:
     drops its per-sequence state of them). `grammars[i]` is the structured-output matcher of the sequence at
     index `grammar_rows[i]`, for each constrained sequence that samples in this step (empty lists: none); the
     runner masks those logits rows from them. It only reads them, once the scheduler has advanced them by every
-    earlier step's token (docs/STRUCTURED_OUTPUTS.md)."""
+    earlier step's token (docs/STRUCTURED_OUTPUTS.md). `lora_loads`: (slot, LoRARequest) adapters the runner
+    writes into their device slots before this step, in order (lora/manager.py)."""
 
     seqs: list[ScheduledSequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
@@ -72,6 +74,7 @@ class ScheduledBatch:
     released_seq_ids: list[int] = field(default_factory=list)
     grammar_rows: list[int] = field(default_factory=list)
     grammars: list[RowGrammar] = field(default_factory=list)
+    lora_loads: list[tuple[int, Any]] = field(default_factory=list)
 
     def add_chunk(self, seq: ScheduledSequence, num_new_tokens: int, start: int, samples: bool) -> None:
         """`num_new_tokens` of `seq` from position `start`; past its known tokens, the last input is pending."""

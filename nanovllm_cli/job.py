@@ -193,8 +193,9 @@ class EngineFeeder:
 
     def _submit(self, request: RowRequest, refused: list[Finished]) -> bool:
         try:
-            self.llm.add_request(None, request.params, request_id=request.id, prompt_token_ids=request.token_ids)
-        except ValueError as exc:  # too long for max_model_len or for the whole KV cache
+            self.llm.add_request(None, request.params, request_id=request.id, prompt_token_ids=request.token_ids,
+                                 lora_request=request.lora_request)
+        except ValueError as exc:  # too long for max_model_len or for the whole KV cache, or an unusable adapter
             refused.append((request, RowFailure(str(exc), 400)))
             return False
         self.in_flight[request.id] = request

@@ -81,6 +81,18 @@ class EngineOptions:
         help="cpu | cuda (default: cuda when available).", rich_help_panel=ENGINE)] = None
     attention_backend: Annotated[str | None, typer.Option(
         help="torch | triton | flash-attn (default: the best available).", rich_help_panel=ENGINE)] = None
+    lora_modules: Annotated[list[str] | None, typer.Option(
+        help="A LoRA adapter the rows may name, as NAME=PATH (a PEFT adapter folder or Hub id); repeat the option "
+        "for several. A row names its adapter in its `lora` field, an OpenAI line in body.model.",
+        rich_help_panel=ENGINE)] = None
+    enable_lora: Annotated[bool, typer.Option(
+        "--enable-lora", help="Engine support for LoRA adapters (implied by --lora-modules).",
+        rich_help_panel=ENGINE)] = False
+    max_loras: Annotated[int | None, typer.Option(
+        help="LoRA adapters resident on the device at once (default 8); rows of others wait for a slot.",
+        rich_help_panel=ENGINE)] = None
+    max_lora_rank: Annotated[int | None, typer.Option(
+        help="Highest LoRA rank an adapter may have (default 16; at most 256).", rich_help_panel=ENGINE)] = None
 
     def args(self, seed: int | None = None) -> dict:
         """The keyword arguments of `LLM(model, **args)` (of each replica's, with data parallelism): only the
@@ -105,7 +117,9 @@ class EngineOptions:
                 "enforce_eager": self.enforce_eager or None,
                 "fused_ops": False if self.no_fused_ops else None,
                 "enable_prefix_caching": False if self.no_prefix_caching else None,
-                "async_scheduling": self.async_scheduling or None}
+                "async_scheduling": self.async_scheduling or None,
+                "enable_lora": self.enable_lora or bool(self.lora_modules) or None,
+                "max_loras": self.max_loras, "max_lora_rank": self.max_lora_rank}
         return {k: v for k, v in args.items() if v is not None}
 
 

@@ -111,7 +111,7 @@ class RecordBuilder:
             "id": _random_id("chatcmpl-" if chat else "cmpl-"),
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
-            "model": self.model,
+            "model": self.model if request.lora_request is None else request.lora_request.lora_name,
             "choices": choices,
             "usage": {"prompt_tokens": output.num_prompt_tokens, "completion_tokens": completion,
                       "total_tokens": output.num_prompt_tokens + completion,

@@ -4,7 +4,9 @@ Row forms: {"id", "prompt": str}, {"id", "messages": [{"role", "content"}, ...]}
 [int, ...]}, and OpenAI batch request lines {"custom_id", "method": "POST", "url": "/v1/chat/completions" |
 "/v1/completions", "body": {...}}. Sampling fields of the row (top level or in "sampling_params"; in the body
 for OpenAI lines) override the command-line defaults. A row constrains its output with `structured_outputs`
-(vLLM's fields: json, json_object, regex, choice, grammar), an OpenAI line with `response_format`.
+(vLLM's fields: json, json_object, regex, choice, grammar), an OpenAI line with `response_format`. A row runs
+with a LoRA adapter of --lora-modules named by its `lora` field, an OpenAI line by its body's `model`
+(lora_modules.py).
 """
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from nanovllm import SamplingParams, from_response_format
+from nanovllm import LoRARequest, SamplingParams, from_response_format
+from nanovllm_cli.lora_modules import NO_MODULES, LoRAModules
 from nanovllm_cli.readers import InvalidJson
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "seed",
@@ -48,6 +51,7 @@ class RowRequest:
     echo: bool = False  # /v1/completions: the prompt (and its logprobs) leads the completion
     chat_template_kwargs: dict | None = None
     token_ids: list[int] = field(default_factory=list)  # filled by tokenize_row
+    lora_request: LoRARequest | None = None  # its LoRA adapter (None: the base model)
 
 
 @dataclass
@@ -257,8 +261,10 @@ class RowParser:
     """Parses rows against the command-line sampling defaults. `source` names the file of the rows where an input
     has several: it leads each row's place ("a.jsonl line 7") and the id of a row without one ("a.jsonl:7")."""
 
-    def __init__(self, sampling_defaults: dict, base_seed: int, label: str, source: str | None = None):
+    def __init__(self, sampling_defaults: dict, base_seed: int, label: str, source: str | None = None,
+                 lora: LoRAModules | None = None):
         self.defaults = sampling_defaults
+        self.lora = lora  # the job's --lora-modules (None: none, and an OpenAI line's model is not looked at)
         self.base_seed = base_seed
         self.label = f"{source} {label}" if source else label  # "line" or "row"
         self.id_prefix = f"{source}:" if source else ""
@@ -282,9 +288,18 @@ class RowParser:
         try:
             kind, payload, overrides, extra = _openai_fields(row) if openai else _plain_fields(row)
             params = self._params(overrides, row_id)
+            lora_request = self._lora_request(row, openai)
         except RowProblem as exc:
             return RowError(row_id, where, str(exc), endpoint)
-        return RowRequest(row_id, where, kind, payload, params, endpoint, **extra)
+        return RowRequest(row_id, where, kind, payload, params, endpoint, **extra, lora_request=lora_request)
+
+    def _lora_request(self, row: dict, openai: bool) -> LoRARequest | None:
+        try:
+            if openai:
+                return self.lora.for_model(row["body"].get("model")) if self.lora else None
+            return (self.lora or NO_MODULES).for_row(row.get("lora"))
+        except ValueError as exc:
+            raise RowProblem(str(exc)) from None
 
     def _params(self, overrides: dict, row_id: str) -> SamplingParams:
         values = {**self.defaults, **overrides}

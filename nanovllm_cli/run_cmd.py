@@ -115,6 +115,7 @@ def run(
     error mid-job; 130 interrupted. After 3 or 130, or a kill, run again with --resume.
     """
     from nanovllm import SamplingParams
+    from nanovllm_cli.lora_modules import LoRAModules
     from nanovllm_cli.preflight import OutputLock, PreflightError, duplicates_message, scan_input
     from nanovllm_cli.readers import detect_format, iter_rows
     from nanovllm_cli.records import RecordLayout
@@ -127,7 +128,8 @@ def run(
 
         unsupported = {"--resume": resume, "--retry-failed": retry_failed, "--sync": sync,
                        "--log-interval": log_interval != 10.0, "--ray-address/--ray-replicas without --ray": not ray,
-                       "--data-parallel-size (use --ray-replicas)": engine.data_parallel_size > 1}
+                       "--data-parallel-size (use --ray-replicas)": engine.data_parallel_size > 1,
+                       "--lora-modules": bool(engine.lora_modules)}
         summary = ray_job(input_path, output, input_format, engine, defaults, seed, unsupported,
                           include_token_ids=include_token_ids, reorder=reorder, window=window,
                           replicas=ray_replicas or 1, address=ray_address, overwrite=overwrite, quiet=quiet)
@@ -158,6 +160,10 @@ def run(
         SamplingParams(**defaults)
     except ValueError as exc:
         raise o.fail(f"invalid sampling option: {exc}") from None
+    try:
+        lora = LoRAModules.parse(engine.lora_modules) if engine.lora_modules else None
+    except ValueError as exc:
+        raise o.fail(str(exc)) from None
     layout = RecordLayout(openai=scan.openai, include_token_ids=include_token_ids)
     resume = resume or retry_failed or sync
     lock = OutputLock(output)
@@ -170,9 +176,13 @@ def run(
             source = load_replicas(engine, seed)
         else:
             source = o.load_llm(engine, seed)
-        parser = RowParser(defaults, seed, label)
-        rows = (parser.parse(number, row) for number, row in iter_rows(input_path, fmt))
         with source:
+            try:
+                lora = lora and lora.with_base_names(engine.model, source.info.model)
+            except ValueError as exc:
+                raise o.fail(str(exc)) from None
+            parser = RowParser(defaults, seed, label, lora=lora)
+            rows = (parser.parse(number, row) for number, row in iter_rows(input_path, fmt))
             code, summary = run_job(source, rows, scan.rows, layout, output, append=resume, skip_ids=answered.ids,
                                     failed_before=len(answered.failed), fingerprints=scan.fingerprints,
                                     window=window, reorder=reorder, quiet=quiet, log_interval=log_interval)

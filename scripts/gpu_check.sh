@@ -9,7 +9,7 @@
 # parallelism: two replicas sharing one GPU give one engine's records; on two GPUs bench at DP=1, DP=2 and TP=2),
 # structured (structured outputs: GPU tests, bench_structured, bench --structured; needs xgrammar and a tokenizer
 # folder, see the stage) and ray (run --ray, one engine per GPU, against run on the same rows; needs ray[data])
-# are only run when named.
+# are only run when named, as is lora (multi-LoRA: GPU tests, the kernels at Qwen3-8B's shapes, bench --lora).
 set -uo pipefail
 OUT=${OUT:-/tmp/nanovllm-gpu}
 mkdir -p "$OUT"
@@ -119,6 +119,16 @@ print(json.dumps({"rows": len(reference), "ray_records": len(ray), "shards": len
 sys.exit(0 if ok else 1)
 PY
              ;;
+    lora)    # the LoRA GPU tests (kernels, CUDA graphs, engine vs PEFT in fp32); the kernels against the base
+             # projections at Qwen3-8B's shapes; then the Qwen3-8B shape, dummy weights, bench's 256 rows: 8 random
+             # adapters of rank 16, then 64, spread over the rows against the base model on the same rows, one engine
+             python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_lora.py tests/test_lora_kernel.py \
+               2>&1 | tee "$OUT/gpu_lora_tests.log" | tail -15; rc=${PIPESTATUS[0]}
+             python3 scripts/bench_lora.py --out "$OUT/bench_lora_kernels.jsonl" 2>"$OUT/bench_lora_kernels.err" || rc=1
+             for rank in ${LORA_RANKS:-16 64}; do
+               nanovllm bench --model qwen3-8b --load-format dummy --lora 8 --lora-rank "$rank" --json \
+                 > "$OUT/bench_qwen3_8b_lora8_r$rank.json" 2>"$OUT/bench_qwen3_8b_lora8_r$rank.err" || rc=1
+             done ;;
     peers)   python3 scripts/bench_peers.py --model qwen3-0.6b --output-len 512 \
                > "$OUT/bench_peers.json" 2>"$OUT/bench_peers.err"; rc=$? ;;
     *) echo "unknown stage $stage"; exit 2 ;;

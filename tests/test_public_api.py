@@ -9,7 +9,7 @@ from nanovllm import LLM
 
 CLI_DIR = Path(nanovllm_cli.__file__).parent
 # Instance attributes of LLM that belong to its API (its methods and properties are found on the class).
-PUBLIC_LLM_ATTRIBUTES = {"prompts", "tokenizer"}
+PUBLIC_LLM_ATTRIBUTES = {"prompts", "tokenizer", "hf_config"}
 
 
 def cli_modules() -> list[tuple[str, ast.Module]]:

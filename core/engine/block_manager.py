@@ -22,6 +22,14 @@ def compute_block_hash(prefix_hash: int, token_ids: list[int]) -> int:
     return h.intdigest()
 
 
+def chain_start(seq: Sequence) -> int:
+    """The hash a sequence's block chain starts from. The KV of a LoRA adapter's rows is not the base model's nor
+    another adapter's: the adapter's id seeds the chain, so two adapters never share a cached block."""
+    if seq.lora_request is None:
+        return NO_HASH
+    return xxhash.xxh64_intdigest(b"lora" + seq.lora_request.lora_int_id.to_bytes(8, "little"))
+
+
 @dataclass
 class Block:
     block_id: int
@@ -97,7 +105,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         found: list[list[int]] = []  # per logical block: each group's cached block or NO_BLOCK
-        prefix_hash = NO_HASH
+        prefix_hash = chain_start(seq)
         for start in range(0, seq.num_tokens - self.block_size + 1, self.block_size):
             token_ids = seq.token_ids[start:start + self.block_size]
             prefix_hash = self.hash_fn(prefix_hash, token_ids)
@@ -181,7 +189,7 @@ class BlockManager:
             block.ref_count += 1
         seq.num_shared_kv_tokens = num_hit_blocks * self.block_size
         seq.num_hashed_blocks = num_hit_blocks if lookup else 0
-        seq.hashed_prefix = self.blocks[hits[-1]].hash if lookup and hits else NO_HASH  # the last is never NO_BLOCK
+        seq.hashed_prefix = self.blocks[hits[-1]].hash if lookup and hits else chain_start(seq)  # hits[-1]: a block
         seq.num_computed_tokens = num_computed
         if self.enable_prefix_caching and lookup:
             self.stats.lookups += 1

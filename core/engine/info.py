@@ -58,6 +58,8 @@ class EngineInfo:
     # Seconds of each phase of `LLM()` (model and tokenizer resolution, weights, the worst step measured before
     # the cache is sized, CUDA graph capture) and their total.
     startup_s: dict[str, float]
+    max_loras: int = 0  # LoRA adapters resident on the device at once (0: no LoRA)
+    max_lora_rank: int = 0
 
 
 def model_costs(hf_config, model: torch.nn.Module, kv_cache_dtype: torch.dtype) -> CostModel:

@@ -18,6 +18,8 @@ from nanovllm.engine.stats import EngineStats
 from nanovllm.engine.step_loop import StepLoop
 from nanovllm.engine.stop_strings import StopStringDetector
 from nanovllm.loaders import resolve_model
+from nanovllm.lora import LoRARequest
+from nanovllm.lora.manager import LoRAManager
 from nanovllm.runner.logit_controls import HISTORY_WINDOW
 from nanovllm.runner.model_runner import ModelRunner
 from nanovllm.runner.tp_workers import TPRunner, TPWorkerError, start_workers
@@ -66,11 +68,14 @@ class LLM:
             self.exit()
             raise
         self._startup_s.update(self._runner.startup_s)
+        self._lora = (LoRAManager(self.config.max_loras, self.config.max_lora_rank, self._runner.check_adapter)
+                      if self.config.enable_lora else None)
         self._block_manager = BlockManager(self._runner.num_kv_blocks, self.config.block_size,
                                            self.config.enable_prefix_caching, windows=self._runner.kv_groups.windows)
         self._scheduler = Scheduler(self._block_manager, self._runner.max_num_seqs,
                                     self.config.max_num_batched_tokens, self.max_model_len, self._eos_token_ids(),
-                                    StopStringDetector(self.tokenizer) if self.tokenizer is not None else None)
+                                    StopStringDetector(self.tokenizer) if self.tokenizer is not None else None,
+                                    self._lora)
         self._loop = StepLoop(self._scheduler,
                               TPRunner(self._runner, self._workers) if self._workers else self._runner,
                               self._new_stats(), self.config.async_scheduling)
@@ -104,9 +109,15 @@ class LLM:
         return self.prompts.apply_chat_template(conversation)
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    prompt_token_ids: list[int] | None = None) -> str:
-        """Queue one request; raises ValueError (and queues nothing) when the request is invalid or can never fit."""
+                    prompt_token_ids: list[int] | None = None, lora_request: LoRARequest | None = None) -> str:
+        """Queue one request; raises ValueError (and queues nothing) when the request is invalid or can never fit.
+        `lora_request`: the LoRA adapter it runs with (an engine made with enable_lora=True; None: the base
+        model)."""
         self._check_usable()
+        if lora_request is not None:
+            if self._lora is None:
+                raise ValueError("lora_request needs an engine made with enable_lora=True")
+            self._lora.validate(lora_request)
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling params must be a SamplingParams")
@@ -125,7 +136,7 @@ class LLM:
         if count > params.n and params.logprobs is None:  # best_of ranks by cumulative logprob
             params = dataclasses.replace(params, logprobs=0)
         seq = Sequence(seq_id, str(seq_id) if request_id is None else request_id, token_ids, params, seed,
-                       prompt if isinstance(prompt, str) else None)
+                       prompt if isinstance(prompt, str) else None, lora_request)
         if params.bad_words:
             seq.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
         error = self._scheduler.capacity_error(seq)
@@ -134,7 +145,7 @@ class LLM:
         seqs = [seq]
         for index in range(1, count):  # siblings share the prompt's blocks once it is computed (BlockManager.fork)
             child = Sequence(next(self._seq_ids), seq.request_id, token_ids, params, (seed + index) % 2**63,
-                             seq.prompt)
+                             seq.prompt, lora_request)
             child.parent, child.completion_index = seq, index
             child.bad_words_token_ids = seq.bad_words_token_ids
             seqs.append(child)
@@ -248,7 +259,9 @@ class LLM:
             max_batch_size=runner.max_batch_size, decode_batch_sizes=runner.decode_batch_sizes,
             cuda_graphs=runner.graphs is not None, prefix_caching=config.enable_prefix_caching,
             quantization=runner.fp8.name if runner.fp8 is not None else None,
-            costs=model_costs(self.hf_config, runner.model, runner.kv_cache_dtype), startup_s=dict(self._startup_s))
+            costs=model_costs(self.hf_config, runner.model, runner.kv_cache_dtype), startup_s=dict(self._startup_s),
+            max_loras=config.max_loras if config.enable_lora else 0,
+            max_lora_rank=config.max_lora_rank if config.enable_lora else 0)
 
     def report(self) -> dict:
         """`get_stats()`, `get_metrics()` and live token counters in one dict: {"steps", "kv_cache", "tokens"}."""
@@ -264,14 +277,17 @@ class LLM:
     # ---- batch API -----------------------------------------------------------------------------------------------
 
     def generate(self, prompts: Prompt | list[Prompt],
-                 sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
-        """One output per prompt, in order. An invalid prompt gets an output with `error` set; the rest run."""
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """One output per prompt, in order. An invalid prompt gets an output with `error` set; the rest run.
+        `lora_request`: the LoRA adapter of every prompt, or one per prompt (None: the base model)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        return self._run_batch([(p, None) for p in prompts], sampling_params)
+        return self._run_batch([(p, None) for p in prompts], sampling_params, lora_request)
 
     def chat(self, conversations: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+             sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Like `generate`, each conversation rendered through the tokenizer's chat template."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
@@ -281,22 +297,26 @@ class LLM:
                 items.append((None, self.apply_chat_template(conversation)))
             except ValueError as exc:
                 items.append((exc, None))
-        return self._run_batch(items, sampling_params)
+        return self._run_batch(items, sampling_params, lora_request)
 
-    def _run_batch(self, items: list[tuple], sampling_params) -> list[RequestOutput]:
+    def _run_batch(self, items: list[tuple], sampling_params, lora_requests) -> list[RequestOutput]:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(items)
         if len(sampling_params) != len(items):
             raise ValueError(f"got {len(sampling_params)} sampling params for {len(items)} prompts")
+        if not isinstance(lora_requests, list):
+            lora_requests = [lora_requests] * len(items)
+        if len(lora_requests) != len(items):
+            raise ValueError(f"got {len(lora_requests)} LoRA requests for {len(items)} prompts")
         outputs: dict[str, RequestOutput] = {}
         request_ids = []
-        for index, ((prompt, token_ids), params) in enumerate(zip(items, sampling_params)):
+        for index, ((prompt, token_ids), params, lora) in enumerate(zip(items, sampling_params, lora_requests)):
             request_id = f"batch-{next(self._seq_ids)}"
             request_ids.append(request_id)
             try:
                 if isinstance(prompt, Exception):
                     raise prompt
-                self.add_request(prompt, params, request_id, prompt_token_ids=token_ids)
+                self.add_request(prompt, params, request_id, prompt_token_ids=token_ids, lora_request=lora)
             except ValueError as exc:
                 outputs[request_id] = RequestOutput(request_id, prompt if isinstance(prompt, str) else None, [],
                                                     None, [], "error", 0, 0, error=f"prompt {index}: {exc}")

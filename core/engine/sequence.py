@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 from nanovllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from nanovllm.lora import LoRARequest
     from nanovllm.structured import CompileFuture, RowGrammar
 
 
@@ -37,10 +38,10 @@ class Sequence:
                  "num_prefix_hit_tokens", "num_preemptions", "finish_reason", "error", "invalid_request", "stop_text",
                  "arrival_time", "first_token_time", "finish_time", "grammar_future", "grammar", "output_logprobs",
                  "prompt_logprob_spans", "cumulative_logprob", "stop_reason", "parent", "completion_index",
-                 "bad_words_token_ids")
+                 "bad_words_token_ids", "lora_request", "lora_slot")
 
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 sampling_seed: int, prompt: str | None = None):
+                 sampling_seed: int, prompt: str | None = None, lora_request: LoRARequest | None = None):
         self.seq_id = seq_id
         self.request_id = request_id
         self.prompt = prompt
@@ -68,6 +69,8 @@ class Sequence:
         self.parent: Sequence | None = None  # a sibling completion (n / best_of) whose prompt blocks it shares
         self.completion_index = 0
         self.bad_words_token_ids: list[list[int]] = []  # params.bad_words tokenized (LLM.add_request)
+        self.lora_request = lora_request  # the adapter it runs with (None: the base model)
+        self.lora_slot = -1  # the device slot of its adapter while it runs (lora/manager.py); -1: none
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None

@@ -19,6 +19,8 @@ from nanovllm.layers.logprobs import TokenLogprobs, chunked_logprobs, compute_lo
 from nanovllm.layers.sampler import sample, warm_up_sampling
 from nanovllm.loaders import ResolvedModel, load_weights
 from nanovllm.loaders.quantization import fp8_scheme
+from nanovllm.lora import LoRAAdapter, LoRALayers, LoRARequest, load_adapter
+from nanovllm.lora.layers import StepSlotsModel
 from nanovllm.models.geometry import head_dim_of, kv_block_bytes, kv_heads_per_rank
 from nanovllm.models.registry import model_class_for
 from nanovllm.runner.cuda_graphs import DecodeGraphs, batch_size_ladder
@@ -119,6 +121,10 @@ class ModelRunner:
 
         model_class = model_class_for(self.hf_config)
         self.fp8 = fp8_scheme(config.quantization, resolved, self.device, hasattr(model_class, "expert_projections"))
+        if config.enable_lora and self.fp8 is not None:
+            raise ValueError("enable_lora with FP8 weights (quantization='fp8' or an FP8 checkpoint): LoRA adapters "
+                             "apply to unquantized linear layers only; serve the model in its 16-bit dtype, or merge "
+                             "the adapter into it (PEFT's merge_and_unload) and quantize the merged model")
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
@@ -128,6 +134,9 @@ class ModelRunner:
             torch.set_default_dtype(default_dtype)
         load_weights(self.model, resolved.weights_dir, self.fp8, seed=config.seed)
         self.model.eval()
+        # Adapter slots on every linear layer, before the memory profile (they are the engine's memory too).
+        self.lora = (LoRALayers(self.model, config.max_loras, config.max_lora_rank, self.dtype)
+                     if config.enable_lora else None)
         self.startup_s["load_weights"] = time.perf_counter() - started
         self.kv_groups = plan_kv_groups([layer.sliding_window for layer in self.model.attention_layers()])
         self.num_groups = self.kv_groups.num_groups
@@ -169,10 +178,18 @@ class ModelRunner:
             self._next_slot = 0
         self._bitmask: BatchBitmask | None = None  # structured outputs' masks, made on the first constrained step
         self.graphs: DecodeGraphs | None = None
+        self.lora_graphs: DecodeGraphs | None = None  # the decode steps with LoRA adapters in the batch
         if self._uses_graphs:
             started = time.perf_counter()
             self.graphs = DecodeGraphs(self.model, self._graph_inputs, self.tables, self.max_batch_size,
                                        max_model_len, self.block_size, self.num_groups)
+            if self.lora is not None:
+                token_slots = self.buffers.on_device["lora_slots"]
+                token_slots.fill_(-1)  # captured on base-model tokens: valid slots, no adapter read
+                self.lora_graphs = DecodeGraphs(StepSlotsModel(self.model, self.lora, token_slots), self._graph_inputs,
+                                                self.tables, self.max_batch_size, max_model_len, self.block_size,
+                                                self.num_groups)
+                self.lora.set_step(None)
             self.startup_s["cuda_graphs"] = time.perf_counter() - started
         if self.device.type == "cuda":  # every sampling kernel compiled now, not inside the first job that needs it
             started = time.perf_counter()
@@ -183,9 +200,11 @@ class ModelRunner:
         """Free the device memory (weights, KV cache, CUDA graphs, step buffers); the runner runs no more steps."""
         if self.released:
             return
-        if self.graphs is not None:
-            self.graphs.release()
-        self.model = self.kv_cache = self.graphs = self.tables = self.buffers = self.persistent = None
+        for graphs in (self.graphs, self.lora_graphs):
+            if graphs is not None:
+                graphs.release()
+        self.model = self.kv_cache = self.graphs = self.lora_graphs = self.lora = None
+        self.tables = self.buffers = self.persistent = None
         self._views = self._pending_views = self._table_update_views = self._bitmask = None
         if self.device.type == "cuda":
             gc.collect()  # whatever a CUDA graph or a kernel cache still ties into a cycle, before the cache is emptied
@@ -281,8 +300,13 @@ class ModelRunner:
             query_start_loc=starts, seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
             max_query_len=max(query_lens), max_seq_len=max(seq_lens), num_decodes=num_decodes,
             decode_num_splits=decode_num_splits)
+        if self.lora is not None:  # every token through the adapters' update too: its temporaries count
+            self.lora.set_step(torch.zeros(num_tokens, dtype=torch.int32, device=self.device))
         hidden = self.model(ids, positions, meta)
-        return self.model.compute_logits(hidden[starts[1:] - 1])
+        logits = self.model.compute_logits(hidden[starts[1:] - 1])
+        if self.lora is not None:
+            self.lora.set_step(None)
+        return logits
 
     def _eager_table_width(self, max_seq_len: int) -> int:
         """Blocks of each table an eager step gathers: enough for its longest context, rounded up to a multiple
@@ -344,6 +368,8 @@ class ModelRunner:
         which may still be running."""
         num_seqs = len(batch.seqs)
         persistent = self.persistent
+        if batch.lora_loads:
+            self.load_adapters(batch.lora_loads)
         host = self.buffers.begin()
         rows, update_indices, update_blocks = persistent.sync(batch)
         plan = self._logprob_plan = plan_logprobs(persistent.rows, batch, rows)
@@ -353,6 +379,8 @@ class ModelRunner:
         padded_seqs = graph_size or num_seqs
         steady = persistent.is_steady_decode(batch, rows)
         ends = persistent.fill_token_inputs(host, batch, rows, padded_seqs, steady)
+        lora_active = self.lora is not None and persistent.fill_lora_slots(
+            host, batch, rows, padded_seqs if graph_size else batch.num_tokens)
         all_greedy, any_filter = persistent.fill_sampling(host, rows, ends)
         if plan is not None:
             host["logprob_rows"][:len(plan.sampled_indices)] = plan.sampled_indices
@@ -384,7 +412,7 @@ class ModelRunner:
             num_logprob_rows=len(plan.sampled_indices) if plan else 0,
             num_top_logprobs=plan.num_top if plan else 0, prompt_logprob_targets=prompt_targets,
             num_top_prompt_logprobs=plan.num_top_prompt if plan else 0, num_penalty_rows=num_penalty_rows,
-            logit_controls=controls_on,
+            logit_controls=controls_on, lora_active=lora_active,
             max_query_len=max_query_len, max_seq_len=max_seq_len, num_decodes=num_decodes,
             decode_num_splits=self.backend.decode_num_splits(num_decodes or num_seqs, decode_len, self.num_kv_heads),
             graph_size=graph_size)
@@ -408,7 +436,7 @@ class ModelRunner:
             **views.step, table_updates=self._table_update_views(size * self.num_groups),
             sampling=SamplingTensors(**views.sampling, all_greedy=True, any_filter=False), num_logprob_rows=0,
             num_top_logprobs=0, prompt_logprob_targets=None, num_top_prompt_logprobs=0, num_penalty_rows=0,
-            logit_controls=False, max_query_len=1, max_seq_len=self.max_model_len, num_decodes=0,
+            logit_controls=False, lora_active=False, max_query_len=1, max_seq_len=self.max_model_len, num_decodes=0,
             decode_num_splits=self.backend.decode_num_splits(size, self.max_model_len, self.num_kv_heads),
             graph_size=size)
 
@@ -463,6 +491,17 @@ class ModelRunner:
         slot.ready.record(stream)
         return StepHandle(sampled, host, slot.timing, slot.ready, launched.upload, logprobs, graph)
 
+    def check_adapter(self, adapter: LoRAAdapter) -> None:
+        """Raise ValueError when a LoRA adapter does not fit the model's layers (lora/manager.py asks)."""
+        self.lora.check(adapter)
+
+    def load_adapters(self, loads: list[tuple[int, LoRARequest]]) -> None:
+        """Write each adapter into its device slot, in order, on the step stream: after the steps launched before,
+        which still read what the slots held. Every tensor-parallel rank reads its own shard from the adapter's
+        files."""
+        for slot, request in loads:
+            self.lora.load(slot, load_adapter(request.lora_path, self.config.max_lora_rank, request.lora_name))
+
     def fill_masks(self, batch: ScheduledBatch) -> StepBitmask | None:
         """The token masks of the batch's constrained rows from their matchers (read, never advanced), filled on
         the host and on their way to the device; None when no row is constrained."""
@@ -478,8 +517,11 @@ class ModelRunner:
         logprobs of the rows that asked (every rank computes them: the LM head is collective)."""
         prompt_lp = None
         if inputs.graph_size is not None:  # the graph applies the table updates and gathers the tables itself
-            logits = self.graphs.replay(inputs.graph_size, inputs)
+            graphs = self.lora_graphs if inputs.lora_active else self.graphs
+            logits = graphs.replay(inputs.graph_size, inputs)
         else:
+            if self.lora is not None:
+                self.lora.set_step(inputs.lora_slots if inputs.lora_active else None)
             if inputs.table_updates.shape[1]:
                 self.tables.apply(inputs.table_updates)
             meta = AttentionMetadata.grouped(

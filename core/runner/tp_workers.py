@@ -22,6 +22,7 @@ import dataclasses
 import math
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import sys
 import threading
@@ -58,7 +59,7 @@ if TYPE_CHECKING:
     from nanovllm.structured import StepBitmask
 
 _HOST = "127.0.0.1"
-_STOP, _STEP = 0, 1  # first word of a message from rank 0
+_STOP, _STEP, _LORA_LOADS = 0, 1, 2  # first word of a message from rank 0
 _STARTUP_TIMEOUT_S = 600.0  # a worker that has not connected by then (stuck importing, say) fails the start
 _GRACE_S = 2.0  # after a collective fails, how long rank 0 waits for the worker that caused it to report
 _JOIN_TIMEOUT_S = 10.0  # for workers to leave after a stop message
@@ -150,6 +151,14 @@ class TPWorkers:
         for w in self.ranks:
             w.conn.send_bytes(message)
         broadcast_from_rank0(payload)
+
+    def send_lora_loads(self, loads: list) -> None:
+        """Have every worker write LoRA adapters into their slots before the next step it runs: (slot,
+        LoRARequest) pairs, each worker reading its shard from the adapter's files (ModelRunner.load_adapters)."""
+        self.check()
+        message = array("q", [_LORA_LOADS]).tobytes() + pickle.dumps(loads)
+        for w in self.ranks:
+            w.conn.send_bytes(message)
 
     def wait_for(self, event: torch.cuda.Event) -> None:
         """Block until `event` (a step's end on the device) completes, watching the workers meanwhile: a dead
@@ -272,6 +281,8 @@ class TPRunner:
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         with self.workers.guard():  # a stopped engine's sequences may wait on steps that never ran
+            if batch.lora_loads:
+                self.workers.send_lora_loads(batch.lora_loads)
             return self.runner.prepare(batch)
 
     def execute(self, inputs: StepInputs) -> StepHandle:
@@ -338,8 +349,12 @@ def _worker_main(rank: int, port: int, config: EngineConfig, resolved: ResolvedM
 def _serve(runner: ModelRunner, conn: Connection, device: torch.device) -> None:
     """Execute the steps rank 0 sends until it says stop."""
     while True:
+        data = conn.recv_bytes()
+        if memoryview(data)[:8].cast("q")[0] == _LORA_LOADS:
+            runner.load_adapters(pickle.loads(data[8:]))
+            continue
         message = array("q")
-        message.frombytes(conn.recv_bytes())
+        message.frombytes(data)
         if message[0] == _STOP:
             return
         payload = broadcast_from_rank0(torch.empty(message[1], dtype=torch.uint8, device=device))
