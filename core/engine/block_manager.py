@@ -82,7 +82,7 @@ class BlockManager:
 
     @property
     def usage(self) -> float:
-        return len(self.used_blocks) / self.num_blocks
+        return len(self.used_blocks) / self.num_blocks if self.num_blocks else 0.0
 
     def blocks_for(self, num_tokens: int) -> int:
         """Logical blocks (one per group each) that hold `num_tokens` tokens."""
@@ -137,13 +137,14 @@ class BlockManager:
             entries += [block_id if index >= start else NO_BLOCK for block_id, start in zip(row, needed_from)]
         return entries
 
-    def admit(self, seq: Sequence, max_new_tokens: int) -> bool:
+    def admit(self, seq: Sequence, max_new_tokens: int, prefix_hits: bool = True) -> bool:
         """Give a waiting `seq` its prefix-cache hits and slots for up to `max_new_tokens` tokens after them, or
         return False (and change nothing) when the free blocks do not suffice. Sets `num_computed_tokens` to the
-        tokens the hits serve; at least one token is left to compute."""
+        tokens the hits serve; at least one token is left to compute. `prefix_hits` False: none (a pooling row
+        pooled over every position needs each one's hidden state)."""
         # A request for prompt logprobs needs the logits of every prompt position: it takes no hits.
-        return self._place(seq, self.match_prefix(seq) if seq.params.prompt_logprobs is None else [],
-                           max_new_tokens, lookup=True)
+        hits = prefix_hits and seq.params.prompt_logprobs is None
+        return self._place(seq, self.match_prefix(seq) if hits else [], max_new_tokens, lookup=True)
 
     def fork(self, parent: Sequence, child: Sequence, max_new_tokens: int) -> bool:
         """Admit a waiting `child` (a sibling completion of the same prompt) onto `parent`'s computed full prompt

@@ -9,6 +9,7 @@ import torch
 from nanovllm.distributed import tp_size
 from nanovllm.models.costs import WeightCosts, weight_costs
 from nanovllm.models.geometry import head_dim_of, kv_block_bytes, kv_heads_per_rank
+from nanovllm.pooling import PoolingSpec
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class EngineInfo:
     prefix_caching: bool
     quantization: str | None  # the FP8 weight scheme (layers/fp8.py), None: weights in `dtype`
     costs: CostModel
+    pooling: PoolingSpec | None = None  # a pooling model's task, pooling and outputs; None for a generator
 
 
 def model_costs(hf_config, model: torch.nn.Module, kv_cache_dtype: torch.dtype) -> CostModel:
