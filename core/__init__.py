@@ -1,7 +1,7 @@
 """nanovllm: offline batch LLM inference.
 
 The public surface is `__all__`: tools such as `nanovllm_cli` use nothing else (tests/test_public_api.py)."""
-from nanovllm.engine.dry_run import KVCachePlan, PrefixCacheReplay, block_hashes, plan_kv_cache
+from nanovllm.engine.dry_run import KVCachePlan, PrefixCacheReplay, block_hashes, plan_kv_cache, pooling_spec
 from nanovllm.engine.info import CostModel, EngineInfo
 from nanovllm.engine.llm_engine import LLM, StepFailedError
 from nanovllm.engine.logprob_records import Logprob, PositionLogprobs
@@ -28,4 +28,4 @@ __all__ = ["LLM", "ClassificationOutput", "ClassificationRequestOutput", "Comple
            "PoolingParams", "PoolingRequestOutput", "PoolingSpec", "PositionLogprobs", "PrefixCacheReplay",
            "PromptTokenizer", "RequestOutput", "SamplingParams", "ScoringOutput", "ScoringRequestOutput",
            "StepFailedError", "StructuredOutputsParams", "__version__", "block_hashes", "from_response_format",
-           "plan_kv_cache"]
+           "plan_kv_cache", "pooling_spec"]

@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from nanovllm_cli.pooling_rows import POOLING_INPUT_COLUMNS
 from nanovllm_cli.readers import iter_rows
 from nanovllm_cli.rows import PROMPT_KEYS, is_openai_row, row_fingerprint, row_id
 from nanovllm_cli.writers import Answered, journal_path, work_files
@@ -35,9 +36,9 @@ def _parquet_columns(path: Path) -> list[str]:
         names = pq.ParquetFile(path).schema_arrow.names
     except (OSError, ValueError, pa.ArrowException) as exc:
         raise PreflightError(f"{path} is not a readable Parquet file: {exc}") from None
-    if not {*PROMPT_KEYS, "body"} & set(names):
-        raise PreflightError(f"{path} has no 'prompt', 'messages', 'prompt_token_ids' or 'body' column "
-                             f"(its columns: {', '.join(names) or 'none'})")
+    if not {*PROMPT_KEYS, "body", *POOLING_INPUT_COLUMNS} & set(names):
+        raise PreflightError(f"{path} has no 'prompt', 'messages', 'prompt_token_ids' or 'body' column (nor a "
+                             f"pooling job's 'text', 'text_1' or 'query'; its columns: {', '.join(names) or 'none'})")
     return names
 
 

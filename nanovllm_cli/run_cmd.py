@@ -16,7 +16,7 @@ from nanovllm_cli import options as o
 from nanovllm_cli.options import EngineOptions, ExitCode, with_engine_options
 
 if TYPE_CHECKING:  # the engine imports torch: not needed for `--help`
-    from nanovllm import LLM
+    from nanovllm import LLM, PoolingSpec
     from nanovllm_cli.display import Snapshot
     from nanovllm_cli.preflight import OutputLock
     from nanovllm_cli.records import RecordLayout
@@ -75,6 +75,9 @@ def run(
     seed: o.Seed = 0,
     stop: o.Stop = None,
     ignore_eos: o.IgnoreEos = False,
+    dimensions: Annotated[int | None, typer.Option(
+        help="embed: keep the first N features of each embedding (Matryoshka models), then normalize; a row's own "
+        "'dimensions' wins.", rich_help_panel=o.POOLING)] = None,
     ray: Annotated[bool, typer.Option(
         "--ray", help="Run on a Ray cluster with Ray Data (pip install 'nanovllm[ray]'): one engine per replica.",
         rich_help_panel=RAY)] = False,
@@ -104,6 +107,12 @@ def run(
     OpenAI batch output lines for OpenAI input. A bad row gets an error record naming the row and the problem,
     and every other row still runs.
 
+    **Pooling** (an embedding or classification checkpoint, or --task embed|classify|score|reward): rows
+    {"id", "text" | "prompt" | "messages" | "prompt_token_ids"} (score: {"id", "text_1", "text_2"} or {"id",
+    "query", "documents": [...]}) or OpenAI /v1/embeddings lines; records {"id", "embedding"} | {"id", "probs",
+    "label"} | {"id", "score"} / {"id", "scores"} | {"id", "reward"}, with "prompt_tokens", "cached_tokens",
+    "error" (Parquet embeddings: fixed-size float32 lists).
+
     **Resume**: --resume answers only the rows OUTPUT lacks. Each record holds a fingerprint of its row: a row
     changed since, or a record of a row no longer in INPUT, is an error unless --sync reruns / drops them.
 
@@ -115,6 +124,7 @@ def run(
     error mid-job; 130 interrupted. After 3 or 130, or a kill, run again with --resume.
     """
     from nanovllm import SamplingParams
+    from nanovllm_cli.pooling_rows import PoolingRowParser
     from nanovllm_cli.preflight import OutputLock, PreflightError, duplicates_message, scan_input
     from nanovllm_cli.readers import detect_format, iter_rows
     from nanovllm_cli.records import RecordLayout
@@ -130,7 +140,8 @@ def run(
                        "--data-parallel-size (use --ray-replicas)": engine.data_parallel_size > 1}
         summary = ray_job(input_path, output, input_format, engine, defaults, seed, unsupported,
                           include_token_ids=include_token_ids, reorder=reorder, window=window,
-                          replicas=ray_replicas or 1, address=ray_address, overwrite=overwrite, quiet=quiet)
+                          replicas=ray_replicas or 1, address=ray_address, overwrite=overwrite, quiet=quiet,
+                          pooling={"dimensions": dimensions})
         finish(summary, quiet, json_summary)
     if not (math.isfinite(log_interval) and log_interval > 0):
         raise o.fail(f"--log-interval must be a positive number of seconds, not {log_interval}")
@@ -158,7 +169,13 @@ def run(
         SamplingParams(**defaults)
     except ValueError as exc:
         raise o.fail(f"invalid sampling option: {exc}") from None
-    layout = RecordLayout(openai=scan.openai, include_token_ids=include_token_ids)
+    pooling = pooling_of(engine)
+    task = pooling.task if pooling is not None else None
+    embedding_size = None
+    if task == "embed" and output.suffix.lower() == ".parquet":  # one vector size for the fixed-size column
+        embedding_size = dimensions or pooling.output_size
+    layout = RecordLayout(openai=scan.openai, include_token_ids=include_token_ids, task=task,
+                          embedding_size=embedding_size)
     resume = resume or retry_failed or sync
     lock = OutputLock(output)
     try:
@@ -170,7 +187,8 @@ def run(
             source = load_replicas(engine, seed)
         else:
             source = o.load_llm(engine, seed)
-        parser = RowParser(defaults, seed, label)
+        parser = RowParser(defaults, seed, label) if task is None \
+            else PoolingRowParser(seed, label, task, {"dimensions": dimensions})
         rows = (parser.parse(number, row) for number, row in iter_rows(input_path, fmt))
         with source:
             code, summary = run_job(source, rows, scan.rows, layout, output, append=resume, skip_ids=answered.ids,
@@ -179,6 +197,17 @@ def run(
     finally:
         lock.release()
     finish({"input": str(input_path), **summary}, quiet, json_summary)
+
+
+def pooling_of(engine: EngineOptions) -> PoolingSpec | None:
+    """How the engine these options describe pools (None: it generates), from the model's config before it
+    loads; a usage error when the model or the task cannot be resolved."""
+    from nanovllm import pooling_spec
+
+    try:
+        return pooling_spec(engine.model, **engine.args())
+    except (ValueError, OSError, ImportError, KeyError) as exc:
+        raise o.fail(f"cannot load the model: {exc}") from None
 
 
 def finish(summary: dict, quiet: bool, json_summary: bool) -> None:

@@ -193,7 +193,10 @@ class EngineFeeder:
 
     def _submit(self, request: RowRequest, refused: list[Finished]) -> bool:
         try:
-            self.llm.add_request(None, request.params, request_id=request.id, prompt_token_ids=request.token_ids)
+            if isinstance(request.payload, tuple):  # a score row (pooling_rows.py): a query and its documents
+                self.llm.add_score_request(*request.payload, request_id=request.id, params=request.params)
+            else:
+                self.llm.add_request(None, request.params, request_id=request.id, prompt_token_ids=request.token_ids)
         except ValueError as exc:  # too long for max_model_len or for the whole KV cache
             refused.append((request, RowFailure(str(exc), 400)))
             return False
@@ -265,9 +268,12 @@ class BatchRunner:
         return requests, True
 
     def _write_result(self, request: RowRequest, output: RequestOutput) -> None:
-        self.writer.write(self.records.result(request, output))
+        record = self.records.result(request, output)
+        self.writer.write(record)
         if output.error:
             self._count_failure(f"{request.where}: {output.error}")
+        elif record["error"] is not None:  # a result OUTPUT cannot hold (pooling_records.py)
+            self._count_failure(record["error"])
         else:
             self.stats.add_result(output)
 

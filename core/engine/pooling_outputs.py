@@ -66,6 +66,11 @@ class PoolingRequestOutput:
     arrival_time: float | None = None
     finish_time: float | None = None
 
+    @property
+    def token_ids(self) -> list[int]:
+        """Generated tokens, as a RequestOutput has them: a pooling request generates none."""
+        return []
+
 
 class EmbeddingRequestOutput(PoolingRequestOutput):
     """`outputs`: an EmbeddingOutput."""
