@@ -196,7 +196,13 @@ def bench(
 ) -> None:
     """Measure offline throughput: by default 256 requests of random tokens, prompt and output lengths uniform in
     [100, 1024], EOS ignored, greedy (or the sampling options). `--compare` runs both step loops on one engine;
-    `--data-parallel-size N` spreads the workload over N replicas as `run` does; `--json` for machines."""
+    `--data-parallel-size N` spreads the workload over N replicas as `run` does; `--json` for machines.
+    `--task embed|classify|score|reward` measures a pooling model instead (bench_pooling.py): rows/s and tokens/s
+    against its prefill roofline."""
+    if engine.task is not None:
+        from nanovllm_cli.bench_pooling import pooling_bench
+
+        return pooling_bench(engine, num_seqs, input_len_range, seed, warmup, json_output)
     import torch
     from rich.console import Console
 

@@ -216,3 +216,32 @@ def test_run_ray_embeds_as_run_does(models, tmp_path):
     for key, record in expected.items():
         if record["error"] is None:
             assert shards[key]["embedding"] == pytest.approx(record["embedding"], abs=1e-5)
+
+
+def test_bench_task_embed_counts_rows_and_tokens():
+    result = CliRunner().invoke(app, ["bench", "--task", "embed", "-m", "tiny-qwen3", "--load-format", "dummy",
+                                      "--num-seqs", "12", "--input-len-range", "4", "24", "--max-num-seqs", "4",
+                                      "--async", "--json"])
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    figures = report["results"]
+    assert (report["task"], figures["rows"], figures["rows_failed"]) == ("embed", 12, 0)
+    assert 12 * 4 <= figures["prompt_tokens"] <= 12 * 24 and figures["steps"] >= 3
+    assert figures["rows_per_s"] == pytest.approx(12 / figures["wall_s"])
+    assert figures["roofline_frac"] is None  # no GPU: no ceilings
+
+
+def test_prefill_roofline_counts_weight_and_attention_matmuls():
+    from nanovllm import pooling_spec
+    from nanovllm_cli.bench_pooling import prefill_roofline_seconds
+
+    class Costs:
+        flops_per_token, attention_flops_per_pair = 1000, 10
+
+    assert prefill_roofline_seconds(Costs, [3, 4], bidirectional=False, matmul_flops_per_s=1e3) == (
+        7 * 1000 + (6 + 10) * 10) / 1e3
+    assert prefill_roofline_seconds(Costs, [3, 4], bidirectional=True, matmul_flops_per_s=1e3) == (
+        7 * 1000 + (9 + 16) * 10) / 1e3
+    spec = pooling_spec("bert-base")  # the preset of the BERT-base benchmark: an encoder, CLS-pooled
+    assert (spec.task, spec.encoder, spec.pooling.value, spec.output_size, spec.max_input_len) == (
+        "embed", True, "cls", 768, 512)
