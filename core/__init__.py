@@ -1,6 +1,7 @@
 """nanovllm: offline batch LLM inference.
 
 The public surface is `__all__`: tools such as `nanovllm_cli` use nothing else (tests/test_public_api.py)."""
+from nanovllm.engine.choice_scores import ChoiceScore, ChoicesRequestOutput
 from nanovllm.engine.dry_run import KVCachePlan, PrefixCacheReplay, block_hashes, plan_kv_cache, pooling_spec
 from nanovllm.engine.info import CostModel, EngineInfo
 from nanovllm.engine.llm_engine import LLM, StepFailedError
@@ -23,9 +24,8 @@ from nanovllm.structured.params import StructuredOutputsParams, from_response_fo
 from nanovllm.tokenization import PromptTokenizer
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "ClassificationOutput", "ClassificationRequestOutput", "CompletionOutput", "CostModel",
-           "EmbeddingOutput", "EmbeddingRequestOutput", "EngineInfo", "KVCachePlan", "Logprob", "PoolingOutput",
-           "PoolingParams", "PoolingRequestOutput", "PoolingSpec", "PositionLogprobs", "PrefixCacheReplay",
-           "PromptTokenizer", "RequestOutput", "SamplingParams", "ScoringOutput", "ScoringRequestOutput",
-           "StepFailedError", "StructuredOutputsParams", "__version__", "block_hashes", "from_response_format",
-           "plan_kv_cache", "pooling_spec"]
+__all__ = ["LLM", "ChoiceScore", "ChoicesRequestOutput", "ClassificationOutput", "ClassificationRequestOutput",
+           "CompletionOutput", "CostModel", "EmbeddingOutput", "EmbeddingRequestOutput", "EngineInfo", "KVCachePlan", "Logprob",
+           "PoolingOutput", "PoolingParams", "PoolingRequestOutput", "PoolingSpec", "PositionLogprobs", "PrefixCacheReplay",
+           "PromptTokenizer", "RequestOutput", "SamplingParams", "ScoringOutput", "ScoringRequestOutput", "StepFailedError",
+           "StructuredOutputsParams", "__version__", "block_hashes", "from_response_format", "plan_kv_cache", "pooling_spec"]

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from nanovllm import CompletionOutput, RequestOutput
 from nanovllm_cli import pooling_records
+from nanovllm_cli.choices import choices_fields
 from nanovllm_cli.rows import RowError, RowRequest
 
 PLAIN_FIELDS = ("id", "text", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "error",
@@ -92,6 +93,11 @@ class RecordBuilder:
                               len(request.token_ids), status_code=400 if output.invalid_request else 500)
         if self.layout.task is not None:
             return self._pooling_result(request, output)
+        if request.choices is not None:  # scored choices (choices.py)
+            return {"id": request.id, "finish_reason": None, "prompt_tokens": output.num_prompt_tokens,
+                    "completion_tokens": 0, "cached_tokens": output.num_cached_tokens, "error": None,
+                    "structured_complete": None, "input_fingerprint": self.fingerprints.get(request.id),
+                    **choices_fields(request.choices, output)}
         completion = len(output.token_ids)
         if not self.layout.openai:
             record = {"id": request.id, "text": output.text, "finish_reason": output.finish_reason,

@@ -47,6 +47,7 @@ class RowRequest:
     endpoint: str | None = None  # OpenAI lines: "chat" | "completions" | "embeddings"
     echo: bool = False  # /v1/completions: the prompt (and its logprobs) leads the completion
     chat_template_kwargs: dict | None = None
+    choices: list[str] | None = None  # continuations to score instead of generating (choices.py)
     token_ids: list[int] = field(default_factory=list)  # filled by tokenize_row
 
 
@@ -181,6 +182,15 @@ def _plain_fields(row: dict) -> tuple[str, object, dict, dict]:
     return kind, _checked_payload(kind, row[key], key), overrides, _template_kwargs(row)
 
 
+def _checked_choices(choices: object, overrides: dict) -> list[str]:
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+        raise RowProblem(f"'choices' must be a non-empty array of non-empty strings, not {_type_name(choices)}")
+    if overrides:
+        raise RowProblem(f"{', '.join(sorted(overrides))}: sampling fields do not apply to a row with 'choices' "
+                         "(its choices are scored, not generated)")
+    return choices
+
+
 def _template_kwargs(container: dict) -> dict:
     kwargs = container.get("chat_template_kwargs")
     if kwargs is None:
@@ -292,6 +302,8 @@ class RowParser:
     def _request(self, row_id: str, where: str, row: dict, openai: bool, endpoint: str | None) -> RowRequest:
         """The request of a row whose id is known; raises RowProblem."""
         kind, payload, overrides, extra = _openai_fields(row) if openai else _plain_fields(row)
+        if not openai and row.get("choices") is not None:  # scored, not generated (choices.py)
+            extra["choices"] = _checked_choices(row["choices"], overrides)
         return RowRequest(row_id, where, kind, payload, self._params(overrides, row_id), endpoint, **extra)
 
     def _params(self, overrides: dict, row_id: str) -> SamplingParams:

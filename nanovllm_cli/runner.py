@@ -195,6 +195,8 @@ class EngineFeeder:
         try:
             if isinstance(request.payload, tuple):  # a score row (pooling_rows.py): a query and its documents
                 self.llm.add_score_request(*request.payload, request_id=request.id, params=request.params)
+            elif request.choices is not None:  # a row whose choices are scored (choices.py)
+                self.llm.add_choices_request(None, request.choices, request.id, prompt_token_ids=request.token_ids)
             else:
                 self.llm.add_request(None, request.params, request_id=request.id, prompt_token_ids=request.token_ids)
         except ValueError as exc:  # too long for max_model_len or for the whole KV cache

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from nanovllm.config import EngineConfig
 from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.choice_scores import ChoicesAPI
 from nanovllm.engine.info import EngineInfo, model_costs
 from nanovllm.engine.outputs import OutputAssembler, RequestOutput
 from nanovllm.engine.pooling_api import PoolingAPI
@@ -46,10 +47,11 @@ class StepFailedError(RuntimeError):
         self.engine_usable = engine_usable
 
 
-class LLM(PoolingAPI):
+class LLM(PoolingAPI, ChoicesAPI):
     """Offline batch generation: `generate`/`chat` for whole batches, or `add_request` + `step` to stream. A
     pooling model (an embedding or classification checkpoint, or `runner="pooling"` / `task=...`) runs
-    `embed` / `classify` / `score` / `reward` instead (engine/pooling_api.py)."""
+    `embed` / `classify` / `score` / `reward` instead (engine/pooling_api.py). `score_choices` /
+    `add_choices_request` score candidate continuations of a prompt (engine/choice_scores.py)."""
 
     def __init__(self, model: str | None = None, **engine_args):
         self._runner: ModelRunner | None = None

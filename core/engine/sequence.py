@@ -41,7 +41,7 @@ class Sequence:
                  "num_prefix_hit_tokens", "num_preemptions", "finish_reason", "error", "invalid_request", "stop_text",
                  "arrival_time", "first_token_time", "finish_time", "grammar_future", "grammar", "output_logprobs",
                  "prompt_logprob_spans", "cumulative_logprob", "stop_reason", "parent", "completion_index",
-                 "bad_words_token_ids", "pooling", "token_type_ids", "pooled")
+                 "bad_words_token_ids", "pooling", "token_type_ids", "pooled", "prompt_logprobs_from")
 
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  sampling_seed: int, prompt: str | None = None, pooling: RowPooling | None = None,
@@ -87,6 +87,9 @@ class Sequence:
         self.pooling = pooling  # a pooling row's rule (pooling_params.py); None for a generated sequence
         self.token_type_ids = token_type_ids  # a pair input's token types (BERT cross-encoders), else None
         self.pooled = None  # a pooling row's output vector (a host tensor), once computed
+        # With prompt_logprobs: the first prompt position whose logits are needed (the KV of blocks wholly before
+        # it may come from the prefix cache or a parent; engine/choice_scores.py); 0: every position.
+        self.prompt_logprobs_from = 0
 
     def __len__(self) -> int:
         return len(self.token_ids)
