@@ -71,9 +71,10 @@ def pooling_bench(engine: EngineOptions, num_seqs: int, input_len_range: tuple[i
             pool_rows(llm, random_rows(min(num_seqs, 4 * info.max_num_seqs), input_len_range, info.vocab_size,
                                        seed + 1), spec.task)
         stats = pool_rows(llm, rows, spec.task)
-        ceilings = measure_ceilings(torch.device(info.device)) if info.device.startswith("cuda") else None
     finally:
         llm.exit()
+    # After the engine is gone: the measurement's buffers need the memory it held.
+    ceilings = measure_ceilings(torch.device(info.device)) if info.device.startswith("cuda") else None
     prompt_lens = [len(row) for row in rows]
     wall = stats["wall_s"]
     figures = {"rows": len(rows), "prompt_tokens": sum(prompt_lens), "steps": stats["steps"], "wall_s": wall,

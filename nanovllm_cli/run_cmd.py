@@ -318,6 +318,8 @@ def snapshot(stats: RunStats, source: LLM | ReplicaPool) -> Snapshot:
     rows_done = stats.rows_done + stats.rows_skipped
     eta = eta_seconds(stats.rows_total - rows_done, stats.completion_tokens / stats.rows_ok if stats.rows_ok else None,
                       generated - stats.completion_tokens, generated / elapsed)
+    if source.info.pooling is not None and stats.rows_done:  # a pooling job generates nothing: by its row rate
+        eta = (stats.rows_total - rows_done) * elapsed / stats.rows_done
     return Snapshot(
         rows_done=rows_done, rows_total=stats.rows_total, rows_failed=stats.rows_failed,
         rows_per_s=stats.rows_done / elapsed, output_tok_s=generated / elapsed, eta_s=eta,

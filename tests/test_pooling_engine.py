@@ -264,3 +264,25 @@ def test_tp2_equals_tp1(checkpoints, name, method):
             return torch.tensor([o.outputs.embedding if method == "embed" else o.outputs.probs for o in outputs])
 
     torch.testing.assert_close(run(tensor_parallel_size=2), run(), rtol=1e-5, atol=1e-5)
+
+
+def test_sentence_transformers_lowercase_and_max_seq_length_apply(tmp_path):
+    """A checkpoint whose sentence-transformers config lower-cases inputs and cuts them to max_seq_length (over a
+    tokenizer that does neither): the engine tokenizes as sentence-transformers does."""
+    from sentence_transformers import SentenceTransformer
+    from test_pooling_models import WORDS
+    from transformers import BertTokenizer
+
+    tokenizer = BertTokenizer(vocab={w: i for i, w in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]",
+                                                                   *WORDS])}, do_lower_case=False)
+    directory = save_checkpoint(dict(ENCODER, model_type="bert"), tmp_path, "AutoModel", tokenizer)
+    save_sentence_transformer(directory, "mean", normalize=False)
+    model = SentenceTransformer(str(directory))
+    model.max_seq_length, model[0].do_lower_case = 6, True
+    model.save(str(directory))
+    texts = ["W1 W2 W3 W4 W5 W6 W7 W8", "w9 W10", "W11 w12 W13 W14 W15"]
+    reference = SentenceTransformer(str(directory)).encode(texts, convert_to_tensor=True).float()
+    with LLM(str(directory)) as llm:
+        outputs = llm.embed(texts)
+    assert [o.num_prompt_tokens for o in outputs] == [6, 4, 6]
+    torch.testing.assert_close(embeddings(outputs), reference, rtol=1e-4, atol=1e-4)

@@ -83,3 +83,5 @@ def test_public_names_exist_and_engine_info_is_complete():
     assert info.decode_batch_sizes == (1, 2, 4, 6) and not info.cuda_graphs and info.tensor_parallel_size == 1
     assert info.kv_block_bytes == 8 * info.costs.kv_bytes_per_token
     assert report["kv_cache"]["num_kv_blocks"] == 40 and report["steps"]["steps"] == 0
+    assert info.pooling is None and nanovllm.pooling_spec("tiny-qwen3") is None  # a generator
+    assert nanovllm.pooling_spec("tiny-qwen3", task="embed").task == "embed"  # what `run --task` reads up front
