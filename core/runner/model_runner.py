@@ -172,7 +172,7 @@ class ModelRunner:
             return
         if self.graphs is not None:
             self.graphs.release()
-        self.model = self.kv_cache = self.graphs = self.tables = self.buffers = self.persistent = None
+        self.model = self.kv_cache = self.graphs = self.tables = self.buffers = self.persistent = self.pooling = None
         self._views = self._pending_views = self._table_update_views = self._bitmask = None
         if self.device.type == "cuda":
             gc.collect()  # whatever a CUDA graph or a kernel cache still ties into a cycle, before the cache is emptied
