@@ -152,9 +152,11 @@ def run(
     output = Path(output) if output else input_path.with_name(f"{input_path.stem}.results.jsonl")
     if output.suffix.lower() not in (".jsonl", ".parquet"):
         raise o.fail(f"OUTPUT must end in .jsonl or .parquet, not {output.name!r}")
+    pooling = pooling_of(engine)
+    task = pooling.task if pooling is not None else None
     try:
         fmt = detect_format(input_path, input_format)
-        scan = scan_input(input_path, fmt)
+        scan = scan_input(input_path, fmt, pooling=task is not None)
     except ValueError as exc:
         raise o.fail(f"cannot read {input_path}: {exc}") from None
     except PreflightError as exc:
@@ -169,8 +171,6 @@ def run(
         SamplingParams(**defaults)
     except ValueError as exc:
         raise o.fail(f"invalid sampling option: {exc}") from None
-    pooling = pooling_of(engine)
-    task = pooling.task if pooling is not None else None
     embedding_size = None
     if task == "embed" and output.suffix.lower() == ".parquet":  # one vector size for the fixed-size column
         embedding_size = dimensions or pooling.output_size
@@ -201,13 +201,14 @@ def run(
 
 def pooling_of(engine: EngineOptions) -> PoolingSpec | None:
     """How the engine these options describe pools (None: it generates), from the model's config before it
-    loads; a usage error when the model or the task cannot be resolved."""
+    loads. A model or task that cannot be resolved counts as generating here: loading it reports why, once the
+    whole-file checks have had their say."""
     from nanovllm import pooling_spec
 
     try:
         return pooling_spec(engine.model, **engine.args())
-    except (ValueError, OSError, ImportError, KeyError) as exc:
-        raise o.fail(f"cannot load the model: {exc}") from None
+    except (ValueError, OSError, ImportError, KeyError):
+        return None
 
 
 def finish(summary: dict, quiet: bool, json_summary: bool) -> None:

@@ -180,18 +180,23 @@ def test_sigkill_mid_embed_job_then_resume_gives_every_id_once(models, tmp_path,
 
 
 @pytest.mark.slow
-def test_data_parallel_embed_equals_one_engine(models, tmp_path):
-    path = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "text": text(i)} for i in range(20)])
-    assert invoke(path, "-o", tmp_path / "one.jsonl", "-m", models["embedder"]).exit_code == 0
-    result = invoke(path, "-o", tmp_path / "two.jsonl", "-m", models["embedder"], "--data-parallel-size", "2",
-                    "--json")
+def test_data_parallel_scores_equal_one_engine(models, tmp_path):
+    """Two replicas of a BERT cross-encoder (the parent tokenizes for an encoder it never loads) score pairs and
+    query/documents rows as one engine does."""
+    rows = [{"id": f"p{i}", "text_1": text(i), "text_2": text(i + 1)} for i in range(10)]
+    rows += [{"id": f"q{i}", "query": text(i), "documents": [text(i + 2), text(i + 3)]} for i in range(6)]
+    path = write_jsonl(tmp_path / "in.jsonl", rows)
+    model = models["cross-encoder"]
+    assert invoke(path, "-o", tmp_path / "one.jsonl", "-m", model).exit_code == 0
+    result = invoke(path, "-o", tmp_path / "two.jsonl", "-m", model, "--data-parallel-size", "2", "--json")
     assert result.exit_code == 0, result.stderr
     assert json.loads(result.stdout)["data_parallel_size"] == 2
-    one = {r["id"]: r["embedding"] for r in records(tmp_path / "one.jsonl")}
-    two = {r["id"]: r["embedding"] for r in records(tmp_path / "two.jsonl")}
-    assert one.keys() == two.keys()
-    for key in one:
-        assert two[key] == pytest.approx(one[key], abs=1e-5)
+    one = {r["id"]: r for r in records(tmp_path / "one.jsonl")}
+    two = {r["id"]: r for r in records(tmp_path / "two.jsonl")}
+    assert one.keys() == two.keys() == {r["id"] for r in rows}
+    for key, record in one.items():
+        field = "score" if key.startswith("p") else "scores"
+        assert two[key][field] == pytest.approx(record[field], abs=1e-5)
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ from nanovllm.engine.block_manager import NO_HASH, BlockManager, compute_block_h
 from nanovllm.engine.sequence import Sequence
 from nanovllm.kv_groups import plan_kv_groups
 from nanovllm.loaders import resolve_model
-from nanovllm.models.geometry import kv_block_bytes, layer_windows
+from nanovllm.models.geometry import kv_block_bytes, kv_heads_per_rank, layer_windows
 from nanovllm.models.registry import model_class_for
 from nanovllm.pooling import PoolingSpec, resolve_task
 from nanovllm.sampling_params import SamplingParams
@@ -50,7 +50,7 @@ def plan_kv_cache(model: str | None = None, num_blocks: int | None = None, **eng
     pooling = resolve_task(hf, resolved.directory, config.runner, config.task)
     kv_dtype = config.resolve_kv_cache_dtype(device)
     groups = plan_kv_groups(layer_windows(hf))
-    bytes_per_block = kv_block_bytes(hf, config.block_size, kv_dtype.itemsize, hf.num_key_value_heads, groups.width)
+    bytes_per_block = kv_block_bytes(hf, config.block_size, kv_dtype.itemsize, kv_heads_per_rank(hf), groups.width)
     if num_blocks is not None:
         source = "given (num_blocks)"
     elif device.type == "cpu":
