@@ -93,7 +93,6 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, resolved: ResolvedModel, max_model_len: int, eos_token_ids: list[int],
                  pooling: PoolingSpec | None = None):
         self.config = config
-        self.pooling_spec = pooling
         self.hf_config = resolved.hf_config
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(self.device)
@@ -123,7 +122,7 @@ class ModelRunner:
         self.kv_groups = plan_kv_groups([layer.sliding_window for layer in self.model.attention_layers()])
         self.num_groups = self.kv_groups.num_groups
 
-        self.num_kv_blocks = config.num_kv_blocks or min_over_ranks(self._kv_budget_blocks())  # TP: fits every rank
+        self.num_kv_blocks = config.num_kv_blocks or min_over_ranks(self._cache_blocks(pooling))  # TP: every rank
         needed = max_blocks_held(self.kv_groups.windows, max_model_len, self.block_size, config.max_num_batched_tokens)
         # Checked before anything (CUDA graphs included) touches the cache; an encoder (no KV groups' width) has none.
         if self.kv_groups.width and self.num_kv_blocks < needed:
@@ -205,23 +204,26 @@ class ModelRunner:
         return kv_block_bytes(self.hf_config, self.block_size, self.kv_cache_dtype.itemsize, self.num_kv_heads,
                               self.kv_groups.width)
 
-    def _kv_budget_blocks(self) -> int:
+    def _cache_blocks(self, pooling: PoolingSpec | None) -> int:
+        """The blocks this rank's cache takes: what the budget allows, but none for a model without attention layers
+        (an encoder), and for a pooling engine only what its prefills in flight hold (pooling/kv_budget.py)."""
         if not self.kv_groups.width:
-            return 0  # no attention layers (an encoder): no KV cache
+            return 0
+        if pooling is None:
+            return self._kv_budget_blocks()
+        config = self.config
+        return min(self._kv_budget_blocks(), pooling_kv_blocks(config.max_num_batched_tokens, self.max_model_len,
+                                                               config.max_num_seqs, self.block_size, self.num_groups))
+
+    def _kv_budget_blocks(self) -> int:
         if self.device.type == "cpu":
-            blocks = self.config.cpu_kv_cache_bytes // self.kv_block_bytes
-        else:
-            meter = EngineMemoryMeter(self.device)
-            meter.start_peak()
-            self._warmup_forward()  # at the largest token batch: its peak is what a step may need besides the cache
-            budget = kv_cache_bytes(meter.measure(self.model), self.config.gpu_memory_utilization)
-            torch.cuda.empty_cache()
-            blocks = budget // self.kv_block_bytes
-        if self.pooling_spec is not None:  # a pooling engine keeps KV only for its prefills in flight
-            config = self.config
-            blocks = min(blocks, pooling_kv_blocks(config.max_num_batched_tokens, self.max_model_len,
-                                                   config.max_num_seqs, self.block_size, self.num_groups))
-        return blocks
+            return self.config.cpu_kv_cache_bytes // self.kv_block_bytes
+        meter = EngineMemoryMeter(self.device)
+        meter.start_peak()
+        self._warmup_forward()  # at the largest token batch: its peak is what a step may need besides the cache
+        budget = kv_cache_bytes(meter.measure(self.model), self.config.gpu_memory_utilization)
+        torch.cuda.empty_cache()
+        return budget // self.kv_block_bytes
 
     @torch.inference_mode()
     def _warmup_forward(self) -> None:
