@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from nanovllm.layers.logprobs import TokenLogprobs
+from nanovllm.pooling_params import RowPooling
 from nanovllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -30,6 +31,8 @@ class ScheduledSequence(Protocol):
     sampling_seed: int
     bad_words_token_ids: list[list[int]] | None
     lora_slot: int  # the device slot of its LoRA adapter, -1 for the base model
+    pooling: RowPooling | None  # a pooling row's rule (a pooling engine's rows all have one)
+    token_type_ids: list[int] | None  # a pair input's token types (BERT), else None
 
     @property
     def token_ids(self) -> SequenceABC[int]: ...
@@ -135,10 +138,25 @@ class StepLogprobs:
 
 
 @dataclass
+class PooledOutputs:
+    """A pooling step's outputs, for the rows whose last chunk it computed: batch index `batch_indices[i]`'s
+    output is `values[offsets[i]:offsets[i + 1]]` (float32; in pinned host memory on CUDA, valid once the step's
+    `ready` event has passed)."""
+
+    batch_indices: list[int]
+    offsets: list[int]
+    values: torch.Tensor
+
+    def by_batch_index(self) -> dict[int, torch.Tensor]:
+        return {index: self.values[self.offsets[i]:self.offsets[i + 1]] for i, index in enumerate(self.batch_indices)}
+
+
+@dataclass
 class StepHandle:
     """A launched step: sampled ids on the device, their pinned host copy, timing events, the copy's event, and
     the number of the step-buffer upload the step read; `logprobs` when some row asked (copied to the host
-    behind the same event). The host side only hands it back to `StepRunner.wait` and reads `logprobs` after."""
+    behind the same event). The host side only hands it back to `StepRunner.wait` and reads `logprobs` after.
+    A pooling engine's step samples nothing: `pooled` holds its outputs (None when no row ended in it)."""
 
     sampled: torch.Tensor
     host: torch.Tensor | None
@@ -147,6 +165,7 @@ class StepHandle:
     upload: int
     logprobs: StepLogprobs | None = None
     graph: bool = False  # the forward replayed a CUDA graph (else it ran eagerly)
+    pooled: PooledOutputs | None = None
 
 
 class StepRunner(Protocol):
@@ -154,7 +173,8 @@ class StepRunner(Protocol):
     `prepare` turns a batch into device inputs; `execute` launches the whole step; a step with constrained rows is
     launched in two halves, `launch_forward` then `launch_sample` with the masks `fill_masks` made in between;
     `wait` blocks until a step's sampled ids are on the host and returns them with its device time (None on the
-    CPU). Inputs, launched forwards and masks are the runner's own types: the host side only passes them back."""
+    CPU); a pooling engine's `wait` returns the step's `PooledOutputs` (or None) instead of sampled ids. Inputs,
+    launched forwards and masks are the runner's own types: the host side only passes them back."""
 
     def prepare(self, batch: ScheduledBatch) -> Any: ...
 
@@ -166,4 +186,4 @@ class StepRunner(Protocol):
 
     def launch_sample(self, forward: Any, masks: Any) -> StepHandle: ...
 
-    def wait(self, handle: StepHandle) -> tuple[list[int], float | None]: ...
+    def wait(self, handle: StepHandle) -> tuple[list[int] | PooledOutputs | None, float | None]: ...

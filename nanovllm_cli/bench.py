@@ -252,7 +252,8 @@ def bench(
     [100, 1024], EOS ignored, greedy (or the sampling options); `--dataset-name sharegpt` for ShareGPT-like
     lengths, `--input-len`/`--output-len` (vLLM's form) or `--input-dist`/`--output-dist` for others. `--compare`
     runs both step loops on one engine, `--rounds N` repeats; `--data-parallel-size N` spreads the workload over N
-    replicas as `run` does; `--json` for machines."""
+    replicas as `run` does; `--json` for machines. `--task embed|classify|score|reward` measures a pooling model
+    instead (bench_pooling.py): rows/s and tokens/s against its prefill roofline, on uniform prompt lengths."""
     import torch
     from rich.console import Console
 
@@ -281,6 +282,14 @@ def bench(
     num_rows = default_rows if num_prompts is None else num_prompts
     if num_rows < 1:
         raise o.fail(f"--num-prompts must be at least 1, not {num_rows}")
+    if engine.task is not None:
+        from nanovllm_cli.bench_pooling import pooling_bench
+
+        if input_lengths.kind != "uniform":
+            raise o.fail("--task takes its prompt lengths uniform: --input-len-range LO HI, or --input-len N "
+                         "(--random-range-ratio R)")
+        lo, hi = (int(v) for v in input_lengths.params)
+        return pooling_bench(engine, num_rows, (lo, hi), seed, warmup, json_output)
     if sum((sampling_matrix, structured_matrix, structured is not None)) > 1:
         raise o.fail("--sampling-matrix, --structured-matrix and --structured are separate runs: keep one")
     matrix = sampling_matrix or structured_matrix

@@ -193,8 +193,13 @@ class EngineFeeder:
 
     def _submit(self, request: RowRequest, refused: list[Finished]) -> bool:
         try:
-            self.llm.add_request(None, request.params, request_id=request.id, prompt_token_ids=request.token_ids,
-                                 lora_request=request.lora_request)
+            if isinstance(request.payload, tuple):  # a score row (pooling_rows.py): a query and its documents
+                self.llm.add_score_request(*request.payload, request_id=request.id, params=request.params)
+            elif request.choices is not None:  # a row whose choices are scored (choices.py)
+                self.llm.add_choices_request(None, request.choices, request.id, prompt_token_ids=request.token_ids)
+            else:
+                self.llm.add_request(None, request.params, request_id=request.id, prompt_token_ids=request.token_ids,
+                                     lora_request=request.lora_request)
         except ValueError as exc:  # too long for max_model_len or for the whole KV cache, or an unusable adapter
             refused.append((request, RowFailure(str(exc), 400)))
             return False
@@ -266,9 +271,12 @@ class BatchRunner:
         return requests, True
 
     def _write_result(self, request: RowRequest, output: RequestOutput) -> None:
-        self.writer.write(self.records.result(request, output))
+        record = self.records.result(request, output)
+        self.writer.write(record)
         if output.error:
             self._count_failure(f"{request.where}: {output.error}")
+        elif record["error"] is not None:  # a result OUTPUT cannot hold (pooling_records.py)
+            self._count_failure(record["error"])
         else:
             self.stats.add_result(output)
 

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
 ENGINE = "Engine"
 SAMPLING = "Sampling defaults (a row's own fields win)"
+POOLING = "Pooling defaults (a row's own fields win)"
 
 
 class ExitCode(IntEnum):
@@ -93,6 +94,10 @@ class EngineOptions:
         rich_help_panel=ENGINE)] = None
     max_lora_rank: Annotated[int | None, typer.Option(
         help="Highest LoRA rank an adapter may have (default 16; at most 256).", rich_help_panel=ENGINE)] = None
+    task: Annotated[str | None, typer.Option(
+        help="embed | classify | score | reward: the pooling task (embeddings, label probabilities, pair scores, "
+        "rewards) instead of generating; a causal LM embeds with its decoder. Default: the checkpoint's own (an "
+        "embedding or classification checkpoint pools, a causal LM generates).", rich_help_panel=ENGINE)] = None
 
     def args(self, seed: int | None = None) -> dict:
         """The keyword arguments of `LLM(model, **args)` (of each replica's, with data parallelism): only the
@@ -112,7 +117,7 @@ class EngineOptions:
                 "quantization": self.quantization,
                 "revision": self.revision,
                 "block_size": self.block_size, "num_kv_blocks": self.num_kv_blocks, "device": self.device,
-                "attention_backend": self.attention_backend, "seed": seed,
+                "attention_backend": self.attention_backend, "seed": seed, "task": self.task,
                 "cpu_kv_cache_bytes": None if self.kv_cache_gib is None else max(int(self.kv_cache_gib * (1 << 30)), 1),
                 "enforce_eager": self.enforce_eager or None,
                 "fused_ops": False if self.no_fused_ops else None,

@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from nanovllm_cli.pooling_rows import POOLING_INPUT_COLUMNS
 from nanovllm_cli.readers import iter_rows
 from nanovllm_cli.rows import PROMPT_KEYS, is_openai_row, row_fingerprint, row_id
 from nanovllm_cli.writers import Answered, journal_path, work_files
@@ -27,7 +28,7 @@ class InputScan:
     fingerprints: dict[str, str] = field(default_factory=dict)  # id -> content hash of its row
 
 
-def _parquet_columns(path: Path) -> list[str]:
+def _parquet_columns(path: Path, pooling: bool) -> list[str]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -35,16 +36,19 @@ def _parquet_columns(path: Path) -> list[str]:
         names = pq.ParquetFile(path).schema_arrow.names
     except (OSError, ValueError, pa.ArrowException) as exc:
         raise PreflightError(f"{path} is not a readable Parquet file: {exc}") from None
-    if not {*PROMPT_KEYS, "body"} & set(names):
-        raise PreflightError(f"{path} has no 'prompt', 'messages', 'prompt_token_ids' or 'body' column "
+    inputs = {*PROMPT_KEYS, "body", *(POOLING_INPUT_COLUMNS if pooling else ())}
+    if not inputs & set(names):
+        also = " (nor 'text', 'text_1' or 'query')" if pooling else ""
+        raise PreflightError(f"{path} has no 'prompt', 'messages', 'prompt_token_ids' or 'body' column{also} "
                              f"(its columns: {', '.join(names) or 'none'})")
     return names
 
 
-def scan_input(path: Path, fmt: str) -> InputScan:
+def scan_input(path: Path, fmt: str, pooling: bool = False) -> InputScan:
     """One pass over INPUT: its rows, their layout and repeated ids. Raises PreflightError when the file as a
-    whole is not what its format says (no single row could be read as a row)."""
-    columns = _parquet_columns(path) if fmt == "parquet" else None
+    whole is not what its format says (no single row could be read as a row). `pooling`: the rows of a pooling job,
+    whose input columns count too (pooling_rows.py)."""
+    columns = _parquet_columns(path, pooling) if fmt == "parquet" else None
     label = "row" if fmt == "parquet" else "line"
     first_of: dict[str, int] = {}
     scan = InputScan(rows=0, openai=is_openai_row(dict.fromkeys(columns)) if columns else False)

@@ -77,6 +77,7 @@ class RayJob:
     address: str | None
     overwrite: bool
     quiet: bool
+    pooling: dict  # a pooling job's defaults (PoolingParams fields)
 
 
 def list_input_files(uri: str, input_format: str | None) -> list[InputFile]:
@@ -273,12 +274,15 @@ def ray_job(input_path: str, output: str | None, input_format: str | None, engin
 
 def run_on_ray(job: RayJob) -> dict:
     """Run the job; returns its summary, with the exit code of `nanovllm run`'s rules."""
+    from nanovllm import pooling_spec
+
     try:
         out_format = output_format(job.output)
         files = list_input_files(job.input, job.input_format)
         check_output(job.output, job.overwrite, job.input)
         engine_args = job.engine.args()
         openai = first_row_is_openai(files)
+        spec = pooling_spec(job.engine.model, **engine_args)
     except (ValueError, OSError) as exc:
         raise o.fail(str(exc)) from None
     import ray
@@ -293,7 +297,7 @@ def run_on_ray(job: RayJob) -> dict:
     model = job.engine.model
     if model is not None and Path(model).expanduser().exists():
         model = str(Path(model).expanduser().resolve())  # the same path on every node
-    layout = RecordLayout(openai=openai, include_token_ids=job.include_token_ids)
+    layout = RecordLayout(openai=openai, include_token_ids=job.include_token_ids, task=spec.task if spec else None)
     records = (read_rows(files, job.window)
                .map_batches(LLMProcessor, batch_size=job.window, batch_format="pyarrow",
                             compute=ray.data.ActorPoolStrategy(size=job.replicas),
@@ -301,7 +305,7 @@ def run_on_ray(job: RayJob) -> dict:
                             fn_constructor_kwargs={"model": model, "engine_args": engine_args, "sampling": job.sampling,
                                                    "seed": job.seed, "openai": layout.openai,
                                                    "include_token_ids": layout.include_token_ids,
-                                                   "reorder": job.reorder}))
+                                                   "reorder": job.reorder, "pooling": job.pooling}))
     mode = ray.data.SaveMode.OVERWRITE if job.overwrite else ray.data.SaveMode.APPEND
     try:
         if out_format == "parquet":
@@ -323,7 +327,7 @@ def run_on_ray(job: RayJob) -> dict:
             "prefix_hit_rate": tokens["cached_tokens"] / tokens["prompt_tokens"] if tokens["prompt_tokens"] else None,
             "elapsed_s": elapsed, "rows_per_s": counts["rows_total"] / elapsed,
             # OpenAI records hold their token counts inside the response bodies: not summed here
-            "output_tok_s": None if layout.openai else tokens["completion_tokens"] / elapsed,
+            "output_tok_s": None if layout.openai or layout.task else tokens["completion_tokens"] / elapsed,
             "prefill_tok_s": None if layout.openai else tokens["prompt_tokens"] / elapsed,
             "exit_code": int(ExitCode.ROWS_FAILED if counts["rows_failed"] else ExitCode.OK)}
 
@@ -348,8 +352,8 @@ def count_records(output: str, fmt: str, layout: RecordLayout) -> dict:
 
     if layout.openai:  # an OpenAI record's token counts are inside its response body
         counts, fields = (), [("error", pa.struct([("code", pa.string()), ("message", pa.string())]))]
-    else:
-        counts = ("prompt_tokens", "cached_tokens", "completion_tokens")
+    else:  # a pooling job's records count no completion tokens
+        counts = ("prompt_tokens", "cached_tokens") + (() if layout.task else ("completion_tokens",))
         fields = [("error", pa.string()), *((name, pa.int64()) for name in counts)]
     totals = dict.fromkeys(("rows_total", "rows_ok", "rows_failed", *counts), 0)
     fs, path = fsspec.core.url_to_fs(output)

@@ -25,6 +25,7 @@ import socket
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from nanovllm_cli.pooling_rows import PoolingRowParser
 from nanovllm_cli.readers import InvalidJson, drop_nulls
 from nanovllm_cli.records import RecordLayout, record_line
 from nanovllm_cli.rows import RowError, RowParser, RowRequest, row_fingerprint
@@ -63,14 +64,14 @@ def record_schema(layout: RecordLayout) -> pa.Schema:
     import pyarrow as pa
 
     schema = layout.arrow_schema()
-    if layout.openai:
+    if layout.openai or layout.task:  # a pooling job's records have no nested fields
         return schema
     return pa.schema(list(schema) + [pa.field(name, pa.string()) for name in JSON_TEXT_FIELDS])
 
 
 def arrow_row(layout: RecordLayout, record: dict) -> dict:
     """A record as a row of `record_schema`: nested fields as JSON text."""
-    if layout.openai:
+    if layout.openai or layout.task:
         return layout.parquet_row(record)
     extra = {k: None if record.get(k) is None else json.dumps(record[k], ensure_ascii=False) for k in JSON_TEXT_FIELDS}
     return {**record, **extra}
@@ -80,7 +81,7 @@ def record_from_arrow(layout: RecordLayout, row: dict) -> dict:
     """The inverse of `arrow_row`: the record as `nanovllm run` writes it to JSONL."""
     nested = ("response", "error") if layout.openai else JSON_TEXT_FIELDS
     record = {k: json.loads(v) if k in nested and isinstance(v, str) else v for k, v in row.items()}
-    if not layout.openai:  # a plain record has its nested fields only where the row asked for them
+    if not layout.openai and not layout.task:  # a plain record has its nested fields only where the row asked
         record = {k: v for k, v in record.items() if k not in JSON_TEXT_FIELDS or v is not None}
     return record
 
@@ -118,10 +119,13 @@ class LLMProcessor:
     tokens when not given); `seed`: the engine seed, from which a row without a seed derives its own (as in
     `nanovllm run`); `openai`: the rows are OpenAI batch lines and the records OpenAI batch output;
     `include_token_ids`: add prompt_token_ids and token_ids; `reorder`: prefix-aware admission within a batch.
+    A pooling model's rows and records are a pooling job's (`nanovllm run --task`), `pooling` its defaults
+    (PoolingParams fields).
     A model path must exist on every node (ModelNotOnNode names the node lacking it)."""
 
     def __init__(self, model: str | None = None, *, engine_args: dict | None = None, sampling: dict | None = None,
-                 seed: int = 0, openai: bool = False, include_token_ids: bool = False, reorder: bool = True):
+                 seed: int = 0, openai: bool = False, include_token_ids: bool = False, reorder: bool = True,
+                 pooling: dict | None = None):
         from nanovllm import LLM, SamplingParams
 
         self.defaults = {"max_tokens": 64, "temperature": 0.0, **(sampling or {})}
@@ -129,7 +133,10 @@ class LLMProcessor:
         check_model_on_node(model)
         self.llm = LLM(model, **{**(engine_args or {}), "seed": seed})
         self.seed = seed
-        self.layout = RecordLayout(openai=openai, include_token_ids=include_token_ids)
+        spec = self.llm.info.pooling
+        self.layout = RecordLayout(openai=openai, include_token_ids=include_token_ids,
+                                   task=spec.task if spec is not None else None)
+        self.pooling = pooling or {}
         self.schema = record_schema(self.layout)
         self.reorder = reorder
         self.parsers: dict[tuple[str, str], RowParser] = {}
@@ -181,7 +188,9 @@ class LLMProcessor:
 
     def _parser(self, source: str, label: str) -> RowParser:
         if (source, label) not in self.parsers:
-            self.parsers[source, label] = RowParser(self.defaults, self.seed, label, source or None)
+            self.parsers[source, label] = RowParser(self.defaults, self.seed, label, source or None) \
+                if self.layout.task is None else PoolingRowParser(self.seed, label, self.layout.task, self.pooling,
+                                                                  source or None)
         return self.parsers[source, label]
 
     def __del__(self):

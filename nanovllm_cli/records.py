@@ -11,6 +11,7 @@ parse.
 OpenAI: {"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}, where body is a
 chat.completion or text_completion object with "usage", or {"error": {...}} for a failed row.
 Both carry "input_fingerprint", the hash of the row they answer, so `--resume` can tell a changed row.
+A pooling job's records (embeddings, probabilities, scores, rewards) are pooling_records.py's.
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from nanovllm import CompletionOutput, RequestOutput
+from nanovllm_cli import pooling_records
+from nanovllm_cli.choices import choices_fields
 from nanovllm_cli.rows import RowError, RowRequest
 
 PLAIN_FIELDS = ("id", "text", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "error",
@@ -35,6 +38,8 @@ class RecordLayout:
 
     openai: bool
     include_token_ids: bool = False
+    task: str | None = None  # a pooling job's task (pooling_records.py); None: generation
+    embedding_size: int | None = None  # embed into Parquet: the vectors' one size (a fixed-size list column)
 
     @property
     def id_key(self) -> str:
@@ -46,6 +51,8 @@ class RecordLayout:
 
         if self.openai:
             return pa.schema([(name, pa.string()) for name in OPENAI_FIELDS])
+        if self.task is not None:
+            return pa.schema(pooling_records.arrow_fields(self.task, self.embedding_size, self.include_token_ids))
         types = {"prompt_tokens": pa.int64(), "completion_tokens": pa.int64(), "cached_tokens": pa.int64(),
                  "structured_complete": pa.bool_()}
         fields = [(name, types.get(name, pa.string())) for name in PLAIN_FIELDS]
@@ -84,6 +91,13 @@ class RecordBuilder:
         if output.error:
             return self.error(RowError(request.id, request.where, output.error, request.endpoint),
                               len(request.token_ids), status_code=400 if output.invalid_request else 500)
+        if self.layout.task is not None:
+            return self._pooling_result(request, output)
+        if request.choices is not None:  # scored choices (choices.py)
+            return {"id": request.id, "finish_reason": None, "prompt_tokens": output.num_prompt_tokens,
+                    "completion_tokens": 0, "cached_tokens": output.num_cached_tokens, "error": None,
+                    "structured_complete": None, "input_fingerprint": self.fingerprints.get(request.id),
+                    **choices_fields(request.choices, output)}
         completion = len(output.token_ids)
         if not self.layout.openai:
             record = {"id": request.id, "text": output.text, "finish_reason": output.finish_reason,
@@ -121,6 +135,19 @@ class RecordBuilder:
                 "response": {"status_code": 200, "request_id": _random_id("req_"), "body": body}, "error": None,
                 "input_fingerprint": self.fingerprints.get(request.id)}
 
+    def _pooling_result(self, request: RowRequest, output) -> dict:
+        fingerprint = self.fingerprints.get(request.id)
+        if self.layout.openai:
+            return {"id": _random_id("batch_req_"), "custom_id": request.id,
+                    "response": {"status_code": 200, "request_id": _random_id("req_"),
+                                 "body": pooling_records.embeddings_body(output, self.model)},
+                    "error": None, "input_fingerprint": fingerprint}
+        try:
+            return pooling_records.result_record(self.layout.task, request, output, fingerprint,
+                                                 self.layout.embedding_size, self.layout.include_token_ids)
+        except pooling_records.RecordProblem as exc:
+            return self.error(RowError(request.id, request.where, str(exc), request.endpoint), output.num_prompt_tokens)
+
     def _choice(self, request: RowRequest, output: RequestOutput, c: CompletionOutput, chat: bool) -> dict:
         """One OpenAI choice: its message or text, and logprobs in the endpoint's exact shape."""
         choice = {"index": c.index, "logprobs": None, "finish_reason": c.finish_reason}
@@ -147,6 +174,9 @@ class RecordBuilder:
 
     def error(self, error: RowError, prompt_tokens: int = 0, status_code: int = 400) -> dict:
         """400: the row is invalid; 500: the engine failed on a valid row."""
+        if not self.layout.openai and self.layout.task is not None:
+            return pooling_records.error_record(self.layout.task, error.id, error.message, prompt_tokens,
+                                                self.fingerprints.get(error.id), self.layout.include_token_ids)
         if not self.layout.openai:
             record = {"id": error.id, "text": None, "finish_reason": "error", "prompt_tokens": prompt_tokens,
                       "completion_tokens": 0, "cached_tokens": 0, "error": error.message,

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 
-from nanovllm import EngineInfo, PromptTokenizer
+from nanovllm import EngineInfo, PromptTokenizer, SamplingParams
 from nanovllm_cli import options as o
 from nanovllm_cli.admission import PrefixGroup
 from nanovllm_cli.job import EngineFailure, EngineFeeder, Finished, JobFailed, RowFailure
@@ -154,7 +154,9 @@ class Replica:
 
 
 def request_tokens(request: RowRequest) -> int:
-    """The load a row puts on a replica until it is answered."""
+    """The load a row puts on a replica until it is answered (a pooling row generates nothing)."""
+    if not isinstance(request.params, SamplingParams):
+        return len(request.token_ids)
     return len(request.token_ids) + request.params.max_tokens * max(request.params.n, request.params.best_of or 1)
 
 

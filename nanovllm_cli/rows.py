@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from nanovllm import LoRARequest, SamplingParams, from_response_format
+from nanovllm import LoRARequest, PoolingParams, SamplingParams, from_response_format
 from nanovllm_cli.lora_modules import NO_MODULES, LoRAModules
 from nanovllm_cli.readers import InvalidJson
 
@@ -44,12 +44,13 @@ class RowRequest:
 
     id: str
     where: str  # "line 7" (JSONL) or "row 7" (Parquet), for error messages
-    kind: str  # "prompt" | "messages" | "token_ids"
-    payload: str | list
-    params: SamplingParams
-    endpoint: str | None = None  # OpenAI lines: "chat" | "completions"
+    kind: str  # "prompt" | "messages" | "token_ids"; a score row's "pair" | "documents" (pooling_rows.py)
+    payload: str | list | tuple
+    params: SamplingParams | PoolingParams  # PoolingParams: a row of a pooling job (pooling_rows.py)
+    endpoint: str | None = None  # OpenAI lines: "chat" | "completions" | "embeddings"
     echo: bool = False  # /v1/completions: the prompt (and its logprobs) leads the completion
     chat_template_kwargs: dict | None = None
+    choices: list[str] | None = None  # continuations to score instead of generating (choices.py)
     token_ids: list[int] = field(default_factory=list)  # filled by tokenize_row
     lora_request: LoRARequest | None = None  # its LoRA adapter (None: the base model)
 
@@ -185,6 +186,15 @@ def _plain_fields(row: dict) -> tuple[str, object, dict, dict]:
     return kind, _checked_payload(kind, row[key], key), overrides, _template_kwargs(row)
 
 
+def _checked_choices(choices: object, overrides: dict) -> list[str]:
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+        raise RowProblem(f"'choices' must be a non-empty array of non-empty strings, not {_type_name(choices)}")
+    if overrides:
+        raise RowProblem(f"{', '.join(sorted(overrides))}: sampling fields do not apply to a row with 'choices' "
+                         "(its choices are scored, not generated)")
+    return choices
+
+
 def _template_kwargs(container: dict) -> dict:
     kwargs = container.get("chat_template_kwargs")
     if kwargs is None:
@@ -259,7 +269,8 @@ def _openai_fields(row: dict) -> tuple[str, object, dict, dict]:
 
 class RowParser:
     """Parses rows against the command-line sampling defaults. `source` names the file of the rows where an input
-    has several: it leads each row's place ("a.jsonl line 7") and the id of a row without one ("a.jsonl:7")."""
+    has several: it leads each row's place ("a.jsonl line 7") and the id of a row without one ("a.jsonl:7").
+    A pooling job's rows: pooling_rows.PoolingRowParser."""
 
     def __init__(self, sampling_defaults: dict, base_seed: int, label: str, source: str | None = None,
                  lora: LoRAModules | None = None):
@@ -277,7 +288,7 @@ class RowParser:
         if not isinstance(row, dict):
             return RowError(default_id, where, f"a row must be a JSON object, not {_type_name(row)}")
         openai = is_openai_row(row)
-        endpoint = (_openai_endpoint(row) or "chat") if openai else None
+        endpoint = self._endpoint(row) if openai else None
         try:
             row_id = _row_id(row.get("custom_id" if openai else "id"), default_id)
         except RowProblem as exc:
@@ -286,12 +297,22 @@ class RowParser:
             return RowError(row_id, where, "the row holds text that is not valid Unicode (a lone surrogate "
                             "escape such as \\ud800)", endpoint)
         try:
-            kind, payload, overrides, extra = _openai_fields(row) if openai else _plain_fields(row)
-            params = self._params(overrides, row_id)
-            lora_request = self._lora_request(row, openai)
+            return self._request(row_id, where, row, openai, endpoint)
         except RowProblem as exc:
             return RowError(row_id, where, str(exc), endpoint)
-        return RowRequest(row_id, where, kind, payload, params, endpoint, **extra, lora_request=lora_request)
+
+    def _endpoint(self, row: dict) -> str:
+        """The endpoint an OpenAI line asks (records answer in its shape, errors included)."""
+        return _openai_endpoint(row) or "chat"
+
+    def _request(self, row_id: str, where: str, row: dict, openai: bool, endpoint: str | None) -> RowRequest:
+        """The request of a row whose id is known; raises RowProblem."""
+        kind, payload, overrides, extra = _openai_fields(row) if openai else _plain_fields(row)
+        if not openai and row.get("choices") is not None:  # scored, not generated (choices.py)
+            extra["choices"] = _checked_choices(row["choices"], overrides)
+        params = self._params(overrides, row_id)
+        return RowRequest(row_id, where, kind, payload, params, endpoint, **extra,
+                          lora_request=self._lora_request(row, openai))
 
     def _lora_request(self, row: dict, openai: bool) -> LoRARequest | None:
         try:

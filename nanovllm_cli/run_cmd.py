@@ -16,7 +16,7 @@ from nanovllm_cli import options as o
 from nanovllm_cli.options import EngineOptions, ExitCode, with_engine_options
 
 if TYPE_CHECKING:  # the engine imports torch: not needed for `--help`
-    from nanovllm import LLM
+    from nanovllm import LLM, PoolingSpec
     from nanovllm_cli.display import Snapshot
     from nanovllm_cli.job import RunStats
     from nanovllm_cli.preflight import OutputLock
@@ -75,6 +75,9 @@ def run(
     seed: o.Seed = 0,
     stop: o.Stop = None,
     ignore_eos: o.IgnoreEos = False,
+    dimensions: Annotated[int | None, typer.Option(
+        help="embed: keep the first N features of each embedding (Matryoshka models), then normalize; a row's own "
+        "'dimensions' wins.", rich_help_panel=o.POOLING)] = None,
     ray: Annotated[bool, typer.Option(
         "--ray", help="Run on a Ray cluster with Ray Data (pip install 'nanovllm[ray]'): one engine per replica.",
         rich_help_panel=RAY)] = False,
@@ -104,6 +107,12 @@ def run(
     OpenAI batch output lines for OpenAI input. A bad row gets an error record naming the row and the problem,
     and every other row still runs.
 
+    **Pooling** (an embedding or classification checkpoint, or --task embed|classify|score|reward): rows
+    {"id", "text" | "prompt" | "messages" | "prompt_token_ids"} (score: {"id", "text_1", "text_2"} or {"id",
+    "query", "documents": [...]}) or OpenAI /v1/embeddings lines; records {"id", "embedding"} | {"id", "probs",
+    "label"} | {"id", "score"} / {"id", "scores"} | {"id", "reward"}, with "prompt_tokens", "cached_tokens",
+    "error" (Parquet embeddings: fixed-size float32 lists).
+
     **Resume**: --resume answers only the rows OUTPUT lacks. Each record holds a fingerprint of its row: a row
     changed since, or a record of a row no longer in INPUT, is an error unless --sync reruns / drops them.
 
@@ -116,6 +125,7 @@ def run(
     """
     from nanovllm import SamplingParams
     from nanovllm_cli.lora_modules import LoRAModules
+    from nanovllm_cli.pooling_rows import PoolingRowParser
     from nanovllm_cli.preflight import OutputLock, PreflightError, duplicates_message, scan_input
     from nanovllm_cli.readers import detect_format, iter_rows
     from nanovllm_cli.records import RecordLayout
@@ -132,7 +142,8 @@ def run(
                        "--lora-modules": bool(engine.lora_modules)}
         summary = ray_job(input_path, output, input_format, engine, defaults, seed, unsupported,
                           include_token_ids=include_token_ids, reorder=reorder, window=window,
-                          replicas=ray_replicas or 1, address=ray_address, overwrite=overwrite, quiet=quiet)
+                          replicas=ray_replicas or 1, address=ray_address, overwrite=overwrite, quiet=quiet,
+                          pooling={"dimensions": dimensions})
         finish(summary, quiet, json_summary)
     if not (math.isfinite(log_interval) and log_interval > 0):
         raise o.fail(f"--log-interval must be a positive number of seconds, not {log_interval}")
@@ -143,9 +154,11 @@ def run(
     output = Path(output) if output else input_path.with_name(f"{input_path.stem}.results.jsonl")
     if output.suffix.lower() not in (".jsonl", ".parquet"):
         raise o.fail(f"OUTPUT must end in .jsonl or .parquet, not {output.name!r}")
+    pooling = pooling_of(engine)
+    task = pooling.task if pooling is not None else None
     try:
         fmt = detect_format(input_path, input_format)
-        scan = scan_input(input_path, fmt)
+        scan = scan_input(input_path, fmt, pooling=task is not None)
     except ValueError as exc:
         raise o.fail(f"cannot read {input_path}: {exc}") from None
     except PreflightError as exc:
@@ -164,7 +177,11 @@ def run(
         lora = LoRAModules.parse(engine.lora_modules) if engine.lora_modules else None
     except ValueError as exc:
         raise o.fail(str(exc)) from None
-    layout = RecordLayout(openai=scan.openai, include_token_ids=include_token_ids)
+    embedding_size = None
+    if task == "embed" and output.suffix.lower() == ".parquet":  # one vector size for the fixed-size column
+        embedding_size = dimensions or pooling.output_size
+    layout = RecordLayout(openai=scan.openai, include_token_ids=include_token_ids, task=task,
+                          embedding_size=embedding_size)
     resume = resume or retry_failed or sync
     lock = OutputLock(output)
     try:
@@ -181,7 +198,8 @@ def run(
                 lora = lora and lora.with_base_names(engine.model, source.info.model)
             except ValueError as exc:
                 raise o.fail(str(exc)) from None
-            parser = RowParser(defaults, seed, label, lora=lora)
+            parser = RowParser(defaults, seed, label, lora=lora) if task is None \
+                else PoolingRowParser(seed, label, task, {"dimensions": dimensions})
             rows = (parser.parse(number, row) for number, row in iter_rows(input_path, fmt))
             code, summary = run_job(source, rows, scan.rows, layout, output, append=resume, skip_ids=answered.ids,
                                     failed_before=len(answered.failed), fingerprints=scan.fingerprints,
@@ -189,6 +207,18 @@ def run(
     finally:
         lock.release()
     finish({"input": str(input_path), **summary}, quiet, json_summary)
+
+
+def pooling_of(engine: EngineOptions) -> PoolingSpec | None:
+    """How the engine these options describe pools (None: it generates), from the model's config before it
+    loads. A model or task that cannot be resolved counts as generating here: loading it reports why, once the
+    whole-file checks have had their say."""
+    from nanovllm import pooling_spec
+
+    try:
+        return pooling_spec(engine.model, **engine.args())
+    except (ValueError, OSError, ImportError, KeyError):
+        return None
 
 
 def finish(summary: dict, quiet: bool, json_summary: bool) -> None:
@@ -299,6 +329,8 @@ def snapshot(stats: RunStats, source: LLM | ReplicaPool) -> Snapshot:
     rows_done = stats.rows_done + stats.rows_skipped
     eta = eta_seconds(stats.rows_total - rows_done, stats.completion_tokens / stats.rows_ok if stats.rows_ok else None,
                       generated - stats.completion_tokens, generated / elapsed)
+    if source.info.pooling is not None and stats.rows_done:  # a pooling job generates nothing: by its row rate
+        eta = (stats.rows_total - rows_done) * elapsed / stats.rows_done
     return Snapshot(
         rows_done=rows_done, rows_total=stats.rows_total, rows_failed=stats.rows_failed,
         rows_per_s=stats.rows_done / elapsed, output_tok_s=generated / elapsed, eta_s=eta,

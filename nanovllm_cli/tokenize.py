@@ -16,6 +16,8 @@ def tokenize_row(request: RowRequest, tokenizer: PromptTokenizer) -> RowRequest 
     try:
         if request.kind == "messages":
             token_ids = tokenizer.apply_chat_template(request.payload, request.chat_template_kwargs)
+        elif isinstance(request.payload, tuple):  # a score row: the engine joins the pairs; its query, for grouping
+            token_ids = tokenizer.tokenize(request.payload[0])
         else:
             token_ids = tokenizer.tokenize(request.payload)
     except (ValueError, TypeError, TemplateError) as exc:  # the row's problem, never the job's

@@ -10,8 +10,12 @@ from typing import TYPE_CHECKING
 
 from nanovllm.config import EngineConfig
 from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.choice_scores import ChoicesAPI
 from nanovllm.engine.info import EngineInfo, model_costs
 from nanovllm.engine.outputs import OutputAssembler, RequestOutput
+from nanovllm.engine.pooling_api import PoolingAPI
+from nanovllm.engine.pooling_outputs import PoolingOutputAssembler, PoolingRequestOutput
+from nanovllm.engine.pooling_scheduler import PoolingScheduler
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.stats import EngineStats
@@ -20,6 +24,8 @@ from nanovllm.engine.stop_strings import StopStringDetector
 from nanovllm.loaders import resolve_model
 from nanovllm.lora import LoRARequest
 from nanovllm.lora.manager import LoRAManager
+from nanovllm.pooling import resolve_task
+from nanovllm.pooling_params import PoolingParams
 from nanovllm.runner.logit_controls import HISTORY_WINDOW
 from nanovllm.runner.model_runner import ModelRunner
 from nanovllm.runner.tp_workers import TPRunner, TPWorkerError, start_workers
@@ -43,8 +49,11 @@ class StepFailedError(RuntimeError):
         self.engine_usable = engine_usable
 
 
-class LLM:
-    """Offline batch generation: `generate`/`chat` for whole batches, or `add_request` + `step` to stream."""
+class LLM(PoolingAPI, ChoicesAPI):
+    """Offline batch generation: `generate`/`chat` for whole batches, or `add_request` + `step` to stream. A
+    pooling model (an embedding or classification checkpoint, or `runner="pooling"` / `task=...`) runs
+    `embed` / `classify` / `score` / `reward` instead (engine/pooling_api.py). `score_choices` /
+    `add_choices_request` score candidate continuations of a prompt (engine/choice_scores.py)."""
 
     def __init__(self, model: str | None = None, **engine_args):
         started = time.perf_counter()
@@ -55,15 +64,19 @@ class LLM:
         resolved = resolve_model(model, self.config.load_format, self.config.revision)
         self.model_name = resolved.name
         self.hf_config = resolved.hf_config
-        self.prompts = PromptTokenizer.for_model(resolved)
+        # The pooling spec of a pooling model (its task, pooling, outputs), None for a generator.
+        self.pooling = resolve_task(self.hf_config, resolved.directory, self.config.runner, self.config.task)
+        self.prompts = PromptTokenizer.for_model(resolved, self.pooling)
         self.tokenizer = self.prompts.tokenizer
-        self._outputs = OutputAssembler(self.tokenizer)
+        self._outputs = OutputAssembler(self.tokenizer) if self.pooling is None else PoolingOutputAssembler(self.pooling)
         self.max_model_len = self._max_model_len()
         self._startup_s = {"resolve": time.perf_counter() - started}
-        self._workers = start_workers(self.config, resolved, self.max_model_len)  # tensor-parallel ranks 1..N-1
+        self._workers = start_workers(self.config, resolved, self.max_model_len,  # tensor-parallel ranks 1..N-1
+                                      self.pooling)
         try:
             with self._workers.guard() if self._workers else nullcontext():  # a worker's error, not a broken collective
-                self._runner = ModelRunner(self.config, resolved, self.max_model_len, sorted(self._eos_token_ids()))
+                self._runner = ModelRunner(self.config, resolved, self.max_model_len, sorted(self._eos_token_ids()),
+                                           self.pooling)
         except BaseException:
             self.exit()
             raise
@@ -72,10 +85,15 @@ class LLM:
                       if self.config.enable_lora else None)
         self._block_manager = BlockManager(self._runner.num_kv_blocks, self.config.block_size,
                                            self.config.enable_prefix_caching, windows=self._runner.kv_groups.windows)
-        self._scheduler = Scheduler(self._block_manager, self._runner.max_num_seqs,
-                                    self.config.max_num_batched_tokens, self.max_model_len, self._eos_token_ids(),
-                                    StopStringDetector(self.tokenizer) if self.tokenizer is not None else None,
-                                    self._lora)
+        if self.pooling is not None:
+            self._scheduler = PoolingScheduler(self._block_manager, self._runner.max_num_seqs,
+                                               self.config.max_num_batched_tokens, self.max_model_len,
+                                               self.pooling.pooling, keeps_kv=not self.pooling.encoder)
+        else:
+            self._scheduler = Scheduler(self._block_manager, self._runner.max_num_seqs,
+                                        self.config.max_num_batched_tokens, self.max_model_len, self._eos_token_ids(),
+                                        StopStringDetector(self.tokenizer) if self.tokenizer is not None else None,
+                                        self._lora)
         self._loop = StepLoop(self._scheduler,
                               TPRunner(self._runner, self._workers) if self._workers else self._runner,
                               self._new_stats(), self.config.async_scheduling)
@@ -85,12 +103,12 @@ class LLM:
         self._startup_s["total"] = time.perf_counter() - started
 
     def _max_model_len(self) -> int:
-        limit = self.hf_config.max_position_embeddings
+        limit = self.hf_config.max_position_embeddings if self.pooling is None else self.pooling.max_input_len
         if self.config.max_model_len is None:
             return limit
         if self.config.max_model_len > limit:
             raise ValueError(f"engine argument max_model_len={self.config.max_model_len} exceeds the model's "
-                             f"max_position_embeddings={limit}")
+                             f"{'max_position_embeddings' if self.pooling is None else 'longest input'}={limit}")
         return self.config.max_model_len
 
     def _eos_token_ids(self) -> set[int]:
@@ -108,12 +126,17 @@ class LLM:
     def apply_chat_template(self, conversation: list[dict]) -> list[int]:
         return self.prompts.apply_chat_template(conversation)
 
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    prompt_token_ids: list[int] | None = None, lora_request: LoRARequest | None = None) -> str:
+    def add_request(self, prompt: Prompt, params: SamplingParams | PoolingParams | None = None,
+                    request_id: str | None = None, prompt_token_ids: list[int] | None = None,
+                    lora_request: LoRARequest | None = None) -> str:
         """Queue one request; raises ValueError (and queues nothing) when the request is invalid or can never fit.
-        `lora_request`: the LoRA adapter it runs with (an engine made with enable_lora=True; None: the base
-        model)."""
+        A pooling model's request takes PoolingParams (or None: the model's task). `lora_request`: the LoRA
+        adapter a generated request runs with (an engine made with enable_lora=True; None: the base model)."""
         self._check_usable()
+        if self.pooling is not None or isinstance(params, PoolingParams):
+            if lora_request is not None:
+                raise ValueError("lora_request applies to generated requests, not to pooling ones")
+            return self._add_pooling_request(prompt, params, request_id, prompt_token_ids)
         if lora_request is not None:
             if self._lora is None:
                 raise ValueError("lora_request needs an engine made with enable_lora=True")
@@ -186,7 +209,7 @@ class LLM:
     def has_unfinished_requests(self) -> bool:
         return self._loop.has_work()
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput] | list[PoolingRequestOutput]:
         """One iteration of the step loop; returns the requests that finished in it. Raises StepFailedError
         when the step fails: every unfinished request is then aborted, and the engine is left clean or unusable,
         never in between; TPWorkerError when a tensor-parallel worker died or raised (the engine is stopped)."""
@@ -261,13 +284,14 @@ class LLM:
             quantization=runner.fp8.name if runner.fp8 is not None else None,
             costs=model_costs(self.hf_config, runner.model, runner.kv_cache_dtype), startup_s=dict(self._startup_s),
             max_loras=config.max_loras if config.enable_lora else 0,
-            max_lora_rank=config.max_lora_rank if config.enable_lora else 0)
+            max_lora_rank=config.max_lora_rank if config.enable_lora else 0, pooling=self.pooling)
 
     def report(self) -> dict:
         """`get_stats()`, `get_metrics()` and live token counters in one dict: {"steps", "kv_cache", "tokens"}."""
         stats = self.stats
         # Every decode token yields one output token; a request's first output token comes from its prefill.
-        tokens = {"prefill": stats.prefill_tokens, "generated": stats.decode_tokens + stats.requests}
+        tokens = {"prefill": stats.prefill_tokens,
+                  "generated": stats.decode_tokens + stats.requests if self.pooling is None else 0}
         return {"steps": self.get_stats(), "kv_cache": self.get_metrics(), "tokens": tokens}
 
     def get_stats(self) -> dict:
@@ -300,6 +324,9 @@ class LLM:
         return self._run_batch(items, sampling_params, lora_request)
 
     def _run_batch(self, items: list[tuple], sampling_params, lora_requests) -> list[RequestOutput]:
+        if self.pooling is not None:
+            raise ValueError(f"model {self.model_name!r} runs as a pooling model (task {self.pooling.task!r}): use "
+                             "LLM.embed / classify / score / reward")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(items)
         if len(sampling_params) != len(items):

@@ -8,6 +8,7 @@ from nanovllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from nanovllm.lora import LoRARequest
+    from nanovllm.pooling_params import RowPooling
     from nanovllm.structured import CompileFuture, RowGrammar
 
 
@@ -30,6 +31,9 @@ class Sequence:
     `num_shared_kv_tokens` lie in prefix-cache blocks that are already complete, so their KV must not be written
     again (a whole prompt hit the cache and its last token is recomputed). `epoch` changes on preemption, so the
     results of steps scheduled before it are recognised and dropped.
+
+    A pooling row (`pooling` set, engine/pooling_scheduler.py) is a prompt that is only prefilled: it never
+    samples, and its pooled output (`pooled`, host memory) is set when its last chunk is committed.
     """
 
     __slots__ = ("seq_id", "request_id", "prompt", "token_ids", "num_prompt_tokens", "params", "max_len",
@@ -38,10 +42,12 @@ class Sequence:
                  "num_prefix_hit_tokens", "num_preemptions", "finish_reason", "error", "invalid_request", "stop_text",
                  "arrival_time", "first_token_time", "finish_time", "grammar_future", "grammar", "output_logprobs",
                  "prompt_logprob_spans", "cumulative_logprob", "stop_reason", "parent", "completion_index",
-                 "bad_words_token_ids", "lora_request", "lora_slot")
+                 "bad_words_token_ids", "lora_request", "lora_slot", "pooling", "token_type_ids", "pooled",
+                 "prompt_logprobs_from")
 
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 sampling_seed: int, prompt: str | None = None, lora_request: LoRARequest | None = None):
+                 sampling_seed: int, prompt: str | None = None, lora_request: LoRARequest | None = None,
+                 pooling: RowPooling | None = None, token_type_ids: list[int] | None = None):
         self.seq_id = seq_id
         self.request_id = request_id
         self.prompt = prompt
@@ -82,6 +88,12 @@ class Sequence:
         self.output_logprobs: list | None = [] if params.logprobs is not None else None
         self.prompt_logprob_spans: list | None = [] if params.prompt_logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+        self.pooling = pooling  # a pooling row's rule (pooling_params.py); None for a generated sequence
+        self.token_type_ids = token_type_ids  # a pair input's token types (BERT cross-encoders), else None
+        self.pooled = None  # a pooling row's output vector (a host tensor), once computed
+        # With prompt_logprobs: the first prompt position whose logits are needed (the KV of blocks wholly before
+        # it may come from the prefix cache or a parent; engine/choice_scores.py); 0: every position.
+        self.prompt_logprobs_from = 0
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -67,6 +67,9 @@ class StepInputs:
     num_decodes: int  # in a step with longer queries too: its leading one-token sequences (AttentionMetadata)
     decode_num_splits: int  # of the decode kernel: over the whole batch of a decode step, else over num_decodes
     graph_size: int | None  # replay the decode graph of this batch size instead of running eagerly
+    # int64 [tokens]: token types of pair inputs (BERT-style pooling models); None in a step without (a small
+    # upload of its own)
+    token_type_ids: torch.Tensor | None = None
 
 
 @dataclass

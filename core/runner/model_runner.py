@@ -23,6 +23,8 @@ from nanovllm.lora import LoRAAdapter, LoRALayers, LoRARequest, load_adapter
 from nanovllm.lora.layers import StepSlotsModel
 from nanovllm.models.geometry import head_dim_of, kv_block_bytes, kv_heads_per_rank
 from nanovllm.models.registry import model_class_for
+from nanovllm.pooling import PoolingSpec
+from nanovllm.pooling.kv_budget import pooling_kv_blocks
 from nanovllm.runner.cuda_graphs import DecodeGraphs, batch_size_ladder
 from nanovllm.runner.inputs import LaunchedForward, SamplingTensors, StepInputs
 from nanovllm.runner.logprob_step import copy_to_host, plan_logprobs
@@ -36,6 +38,7 @@ from nanovllm.runner.memory_budget import (
     release_process_workspaces,
 )
 from nanovllm.runner.persistent_batch import PersistentBatch
+from nanovllm.runner.pooling_step import PoolingPlan, PoolingStep
 from nanovllm.runner.step_buffers import (
     GROUP_TOKENS,
     ROWS,
@@ -49,7 +52,7 @@ from nanovllm.runner.step_buffers import (
     sliced_views,
 )
 from nanovllm.sampling_params import MAX_LOGPROBS
-from nanovllm.step_types import LogprobPlan, ScheduledBatch, StepHandle, StepLogprobs
+from nanovllm.step_types import LogprobPlan, PooledOutputs, ScheduledBatch, StepHandle, StepLogprobs
 
 if TYPE_CHECKING:
     from nanovllm.structured import BatchBitmask, StepBitmask
@@ -97,9 +100,11 @@ class _OutputSlot:
 
 
 class ModelRunner:
-    """Executes scheduled batches: builds the model, owns the KV cache, prepares inputs, runs forward + sampling."""
+    """Executes scheduled batches: builds the model, owns the KV cache, prepares inputs, runs forward + sampling
+    (a pooling model's steps: forward + pooling, runner/pooling_step.py)."""
 
-    def __init__(self, config: EngineConfig, resolved: ResolvedModel, max_model_len: int, eos_token_ids: list[int]):
+    def __init__(self, config: EngineConfig, resolved: ResolvedModel, max_model_len: int, eos_token_ids: list[int],
+                 pooling: PoolingSpec | None = None):
         started = time.perf_counter()
         self.startup_s: dict[str, float] = {}  # seconds of each phase of building the runner (LLM.info)
         self.config = config
@@ -119,7 +124,7 @@ class ModelRunner:
         self.vocab_size = self.hf_config.vocab_size
         self.num_kv_heads = kv_heads_per_rank(self.hf_config)
 
-        model_class = model_class_for(self.hf_config)
+        model_class = model_class_for(self.hf_config, pooling.model_kind if pooling else "generate")
         self.fp8 = fp8_scheme(config.quantization, resolved, self.device, hasattr(model_class, "expert_projections"))
         if config.enable_lora and self.fp8 is not None:
             raise ValueError("enable_lora with FP8 weights (quantization='fp8' or an FP8 checkpoint): LoRA adapters "
@@ -142,10 +147,11 @@ class ModelRunner:
         self.num_groups = self.kv_groups.num_groups
 
         started = time.perf_counter()
-        self.num_kv_blocks = config.num_kv_blocks or min_over_ranks(self._kv_budget_blocks())  # TP: fits every rank
+        self.num_kv_blocks = config.num_kv_blocks or min_over_ranks(self._cache_blocks(pooling))  # TP: every rank
         self.startup_s["worst_step"] = time.perf_counter() - started
         needed = max_blocks_held(self.kv_groups.windows, max_model_len, self.block_size, config.max_num_batched_tokens)
-        if self.num_kv_blocks < needed:  # checked before anything (CUDA graphs included) touches the cache
+        # Checked before anything (CUDA graphs included) touches the cache; an encoder (no KV groups' width) has none.
+        if self.kv_groups.width and self.num_kv_blocks < needed:
             raise ValueError(
                 f"the KV cache holds {self.num_kv_blocks} blocks, less than the {needed} one sequence of "
                 f"max_model_len={max_model_len} needs: lower max_model_len, or raise gpu_memory_utilization / "
@@ -169,6 +175,9 @@ class ModelRunner:
         self._table_update_views = functools.lru_cache(maxsize=4096)(
             functools.partial(_slice_table_update_views, on_device))
         self._logprob_plan: LogprobPlan | None = None  # the prepared step's, until it is launched
+        self.pooling = None if pooling is None else PoolingStep(pooling, len(self.persistent.rows.host_tables),
+                                                                self.hf_config.hidden_size, self.device)
+        self._pooling_plan: PoolingPlan | None = None  # likewise (rank 0 only: the other ranks run the forward)
         if self.device.type == "cuda":
             self._output_slots = [
                 _OutputSlot(torch.empty(self.max_batch_size, dtype=torch.int64, pin_memory=True),
@@ -179,7 +188,7 @@ class ModelRunner:
         self._bitmask: BatchBitmask | None = None  # structured outputs' masks, made on the first constrained step
         self.graphs: DecodeGraphs | None = None
         self.lora_graphs: DecodeGraphs | None = None  # the decode steps with LoRA adapters in the batch
-        if self._uses_graphs:
+        if self._uses_graphs and not pooling:
             started = time.perf_counter()
             self.graphs = DecodeGraphs(self.model, self._graph_inputs, self.tables, self.max_batch_size,
                                        max_model_len, self.block_size, self.num_groups)
@@ -204,7 +213,7 @@ class ModelRunner:
             if graphs is not None:
                 graphs.release()
         self.model = self.kv_cache = self.graphs = self.lora_graphs = self.lora = None
-        self.tables = self.buffers = self.persistent = None
+        self.tables = self.buffers = self.persistent = self.pooling = None
         self._views = self._pending_views = self._table_update_views = self._bitmask = None
         if self.device.type == "cuda":
             gc.collect()  # whatever a CUDA graph or a kernel cache still ties into a cycle, before the cache is emptied
@@ -247,6 +256,18 @@ class ModelRunner:
         if self.device.type == "cpu":
             return MIN_AUTO_NUM_SEQS
         return min_over_ranks(auto_max_num_seqs(self.num_kv_blocks * self.block_size))
+
+    def _cache_blocks(self, pooling: PoolingSpec | None) -> int:
+        """The blocks this rank's cache takes: what the budget allows, but none for a model without attention layers
+        (an encoder), and for a pooling engine only what its prefills in flight hold (pooling/kv_budget.py)."""
+        if not self.kv_groups.width:
+            return 0
+        if pooling is None:
+            return self._kv_budget_blocks()
+        config = self.config
+        return min(self._kv_budget_blocks(), pooling_kv_blocks(config.max_num_batched_tokens, self.max_model_len,
+                                                               config.max_num_seqs or MAX_AUTO_NUM_SEQS,
+                                                               self.block_size, self.num_groups))
 
     def _kv_budget_blocks(self) -> int:
         if self.device.type == "cpu":
@@ -406,6 +427,8 @@ class ModelRunner:
         prompt_targets = None
         if plan is not None and plan.prompt_targets is not None:
             prompt_targets = torch.from_numpy(plan.prompt_targets).to(self.device, non_blocking=True)
+        if self.pooling is not None:
+            self._pooling_plan = self.pooling.plan(batch)
         return StepInputs(
             **views.step, table_updates=self._table_update_views(num_staged),
             sampling=SamplingTensors(**views.sampling, all_greedy=all_greedy, any_filter=any_filter),
@@ -415,7 +438,7 @@ class ModelRunner:
             logit_controls=controls_on, lora_active=lora_active,
             max_query_len=max_query_len, max_seq_len=max_seq_len, num_decodes=num_decodes,
             decode_num_splits=self.backend.decode_num_splits(num_decodes or num_seqs, decode_len, self.num_kv_heads),
-            graph_size=graph_size)
+            graph_size=graph_size, token_type_ids=self.pooling.token_type_ids(batch) if self.pooling else None)
 
     def _graph_size(self, batch: ScheduledBatch, plan: LogprobPlan | None, num_updates: int) -> int | None:
         """The decode graph a step replays (its padded batch size), or None to run it eagerly."""
@@ -445,7 +468,38 @@ class ModelRunner:
         """Launch forward + sampling and return at once (on the CPU the work is done by the time it returns).
 
         The sampled ids are copied to pinned host memory behind an event; `wait` blocks on that event only."""
+        if self.pooling is not None:
+            return self._execute_pooling(inputs)
         return self.launch_sample(self.launch_forward(inputs), None)
+
+    def _execute_pooling(self, inputs: StepInputs) -> StepHandle:
+        """A pooling model's step: the forward, then the pooling and outputs of runner/pooling_step.py (on rank 0;
+        the other ranks have no plan), copied to pinned host memory behind the step's event."""
+        upload, slot = self.buffers.num_uploads, self._take_output_slot()
+        hidden = self._eager_hidden_states(inputs)
+        plan, self._pooling_plan = self._pooling_plan, None
+        values = None if plan is None else self.pooling.launch(self.model, hidden, inputs.query_start_loc,
+                                                                inputs.positions, inputs.rows, plan)
+        pooled = None if values is None else PooledOutputs(plan.batch_indices, plan.offsets, values)
+        nothing_sampled = inputs.logits_indices[:0]
+        if slot is None:
+            return StepHandle(nothing_sampled, None, None, None, upload, pooled=pooled)
+        slot.timing[1].record(self.buffers.stream)
+        if pooled is not None:
+            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            pooled.values = host.copy_(values, non_blocking=True)
+        slot.ready.record(self.buffers.stream)
+        return StepHandle(nothing_sampled, None, slot.timing, slot.ready, upload, pooled=pooled)
+
+    def _take_output_slot(self) -> _OutputSlot | None:
+        """The output slot of a step being launched (None on the CPU), its start recorded."""
+        if self.device.type != "cuda":
+            return None
+        # The step loop waits for step N before it launches step N+2: two output slots are never both in use.
+        slot = self._output_slots[self._next_slot]
+        self._next_slot ^= 1
+        slot.timing[0].record(self.buffers.stream)
+        return slot
 
     @torch.inference_mode()
     def launch_forward(self, inputs: StepInputs) -> LaunchedForward:
@@ -453,12 +507,7 @@ class ModelRunner:
         asked). A step with structured-output rows is launched in two halves, so that their masks can be filled in
         between (docs/STRUCTURED_OUTPUTS.md)."""
         upload = self.buffers.num_uploads  # the step's inputs are the latest upload
-        slot = None
-        if self.device.type == "cuda":
-            # The step loop waits for step N before it launches step N+2: two output slots are never both in use.
-            slot = self._output_slots[self._next_slot]
-            self._next_slot ^= 1
-            slot.timing[0].record(self.buffers.stream)
+        slot = self._take_output_slot()
         logits, prompt_logprobs = self._forward(inputs)
         return LaunchedForward(inputs, logits, slot, upload, prompt_logprobs)
 
@@ -520,22 +569,28 @@ class ModelRunner:
             graphs = self.lora_graphs if inputs.lora_active else self.graphs
             logits = graphs.replay(inputs.graph_size, inputs)
         else:
-            if self.lora is not None:
-                self.lora.set_step(inputs.lora_slots if inputs.lora_active else None)
-            if inputs.table_updates.shape[1]:
-                self.tables.apply(inputs.table_updates)
-            meta = AttentionMetadata.grouped(
-                slot_mapping=inputs.slot_mapping, block_tables=self.tables.gather_groups(
-                    inputs.rows, self.num_groups, self._eager_table_width(inputs.max_seq_len)),
-                query_start_loc=inputs.query_start_loc, seq_lens=inputs.seq_lens,
-                max_query_len=inputs.max_query_len, max_seq_len=inputs.max_seq_len,
-                decode_num_splits=inputs.decode_num_splits, num_decodes=inputs.num_decodes)
-            hidden = self.model(inputs.input_ids, inputs.positions, meta)
+            hidden = self._eager_hidden_states(inputs)
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
             if inputs.prompt_logprob_targets is not None:
                 prompt_lp = self._prompt_logprobs(hidden, inputs.prompt_logprob_targets,
                                                   inputs.num_top_prompt_logprobs)
         return logits, prompt_lp
+
+    def _eager_hidden_states(self, inputs: StepInputs) -> torch.Tensor:
+        """The step's final hidden states by an eager forward (the table updates applied first)."""
+        if self.lora is not None:
+            self.lora.set_step(inputs.lora_slots if inputs.lora_active else None)
+        if inputs.table_updates.shape[1]:
+            self.tables.apply(inputs.table_updates)
+        meta = AttentionMetadata.grouped(
+            slot_mapping=inputs.slot_mapping, block_tables=self.tables.gather_groups(
+                inputs.rows, self.num_groups, self._eager_table_width(inputs.max_seq_len)),
+            query_start_loc=inputs.query_start_loc, seq_lens=inputs.seq_lens,
+            max_query_len=inputs.max_query_len, max_seq_len=inputs.max_seq_len,
+            decode_num_splits=inputs.decode_num_splits, num_decodes=inputs.num_decodes)
+        if inputs.token_type_ids is not None:
+            return self.model(inputs.input_ids, inputs.positions, meta, token_type_ids=inputs.token_type_ids)
+        return self.model(inputs.input_ids, inputs.positions, meta)
 
     def _sample(self, logits: torch.Tensor, inputs: StepInputs) -> tuple[torch.Tensor, TokenLogprobs | None]:
         """Logit controls, sampling, and the sampled tokens' logprobs of the rows that asked (of the raw
@@ -565,11 +620,12 @@ class ModelRunner:
         return chunked_logprobs(lambda start, end: self.model.compute_logits(hidden.index_select(0, targets[0, start:end])),
                                 targets[1], num_top, _PROMPT_LOGITS_CHUNK)
 
-    def wait(self, handle: StepHandle) -> tuple[list[int], float | None]:
-        """The step's sampled ids, and its device time in seconds (None on the CPU)."""
+    def wait(self, handle: StepHandle) -> tuple[list[int] | PooledOutputs | None, float | None]:
+        """The step's sampled ids (a pooling model's: its pooled outputs), and its device time in seconds (None
+        on the CPU)."""
         if handle.ready is None:
-            return handle.sampled.tolist(), None
+            return handle.pooled if self.pooling is not None else handle.sampled.tolist(), None
         handle.ready.synchronize()
         self.buffers.settle(handle.upload)  # the step's input upload ran before it
         start, end = handle.timing
-        return handle.host.tolist(), start.elapsed_time(end) / 1000
+        return handle.pooled if self.pooling is not None else handle.host.tolist(), start.elapsed_time(end) / 1000
