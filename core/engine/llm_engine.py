@@ -4,6 +4,7 @@ import dataclasses
 import itertools
 import random
 import sys
+import threading
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from nanovllm.engine.stats import EngineStats
 from nanovllm.engine.step_loop import StepLoop
 from nanovllm.engine.stop_strings import StopStringDetector
 from nanovllm.loaders import resolve_model
+from nanovllm.quoting import quoted
 from nanovllm.runner.logit_controls import HISTORY_WINDOW
 from nanovllm.runner.model_runner import ModelRunner
 from nanovllm.runner.tp_workers import TPRunner, TPWorkerError, start_workers
@@ -98,6 +100,7 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_args):
         self._runner: ModelRunner | None = None
         self._workers = None
+        self._batch_lock = threading.Lock()  # generate / chat from several threads run one after another
         self._grammars: GrammarCompileCache | None = None  # made on the first constrained request
         self.config = EngineConfig.from_kwargs(**engine_args)
         resolved = resolve_model(model, self.config.load_format, self.config.revision)
@@ -216,7 +219,7 @@ class LLM:
             spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
             for ids in (plain, spaced) if spaced[0] != plain[0] and len(spaced) == len(plain) else (plain,):
                 if len(ids) > HISTORY_WINDOW + 1:
-                    raise ValueError(f"SamplingParams.bad_words: {word!r} is {len(ids)} tokens, more than "
+                    raise ValueError(f"SamplingParams.bad_words: {quoted(word)} is {len(ids)} tokens, more than "
                                      f"{HISTORY_WINDOW + 1}")
                 words_ids.append(ids)
         return words_ids
@@ -376,6 +379,10 @@ class LLM:
         return self._run_batch(items, sampling_params)
 
     def _run_batch(self, items: list[tuple], sampling_params) -> list[RequestOutput]:
+        with self._batch_lock:  # a batch collects every output the engine gives: one batch at a time
+            return self._run_one_batch(items, sampling_params)
+
+    def _run_one_batch(self, items: list[tuple], sampling_params) -> list[RequestOutput]:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(items)
         if len(sampling_params) != len(items):
