@@ -71,6 +71,9 @@ class StepLoop:
         self.stats.preemptions += self.scheduler.num_preemptions - preemptions_before
         t1 = time.perf_counter()
         if not batch:
+            # Requests finished while scheduling (a constraint that failed its compile) leave with this step: no
+            # step's postprocess would take them.
+            finished += self.scheduler.take_finished()
             if self.in_flight is None:  # only constraints still compiling could be waiting: no spinning
                 self.scheduler.wait_for_compile()
             return None
