@@ -278,6 +278,7 @@ def run_on_ray(job: RayJob) -> dict:
         files = list_input_files(job.input, job.input_format)
         check_output(job.output, job.overwrite, job.input)
         engine_args = job.engine.args()
+        chat_template = job.engine.chat_template_text()
         openai = first_row_is_openai(files)
     except (ValueError, OSError) as exc:
         raise o.fail(str(exc)) from None
@@ -301,7 +302,7 @@ def run_on_ray(job: RayJob) -> dict:
                             fn_constructor_kwargs={"model": model, "engine_args": engine_args, "sampling": job.sampling,
                                                    "seed": job.seed, "openai": layout.openai,
                                                    "include_token_ids": layout.include_token_ids,
-                                                   "reorder": job.reorder}))
+                                                   "reorder": job.reorder, "chat_template": chat_template}))
     mode = ray.data.SaveMode.OVERWRITE if job.overwrite else ray.data.SaveMode.APPEND
     try:
         if out_format == "parquet":

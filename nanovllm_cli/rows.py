@@ -5,6 +5,9 @@ Row forms: {"id", "prompt": str}, {"id", "messages": [{"role", "content"}, ...]}
 "/v1/completions", "body": {...}}. Sampling fields of the row (top level or in "sampling_params"; in the body
 for OpenAI lines) override the command-line defaults. A row constrains its output with `structured_outputs`
 (vLLM's fields: json, json_object, regex, choice, grammar), an OpenAI line with `response_format`.
+A field the row form does not read is refused by name when it is a mistake (`row_fields`), else carried through to
+the row's record as the user's own data (`extra`). A row brings no code: the chat template is the model's or the
+command line's, and `chat_template_kwargs` only hands it values.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import xxhash
 
 from nanovllm import SamplingParams, from_response_format
 from nanovllm_cli.readers import InvalidJson
+from nanovllm_cli.row_fields import meant_field, openai_body_problem, plain_field_problem, quoted_name
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "seed",
                    "ignore_eos", "structured_outputs", "n", "best_of", "logprobs", "prompt_logprobs",
@@ -30,9 +34,10 @@ OPENAI_SAMPLING_KEYS = {"max_tokens": "max_tokens", "max_completion_tokens": "ma
                         "frequency_penalty": "frequency_penalty", "logit_bias": "logit_bias",
                         "repetition_penalty": "repetition_penalty", "min_tokens": "min_tokens"}
 # Every other body key a line may carry, per endpoint; anything else is rejected by name (never ignored).
-OPENAI_OTHER_KEYS = {"chat": {"model", "messages", "user", "logprobs", "top_logprobs", "chat_template_kwargs",
-                              "response_format"},
-                     "completions": {"model", "prompt", "user", "logprobs", "echo", "best_of", "response_format"}}
+OPENAI_OTHER_KEYS = {"chat": {"messages", "logprobs", "top_logprobs", "chat_template_kwargs", "response_format"},
+                     "completions": {"prompt", "logprobs", "echo", "best_of", "response_format"}}
+PLAIN_ROW_KEYS = frozenset({"id", *PROMPT_KEYS, "sampling_params", "chat_template_kwargs", *SAMPLING_FIELDS})
+OPENAI_ROW_KEYS = frozenset({"custom_id", "method", "url", "body"})
 
 
 @dataclass
@@ -48,6 +53,7 @@ class RowRequest:
     echo: bool = False  # /v1/completions: the prompt (and its logprobs) leads the completion
     chat_template_kwargs: dict | None = None
     token_ids: list[int] = field(default_factory=list)  # filled by tokenize_row
+    extra: dict = field(default_factory=dict)  # the row's own fields nanovllm does not read, for its record
 
 
 @dataclass
@@ -58,6 +64,7 @@ class RowError:
     where: str
     problem: str
     endpoint: str | None = None
+    extra: dict = field(default_factory=dict)  # as RowRequest.extra
 
     @property
     def message(self) -> str:
@@ -175,19 +182,56 @@ def _plain_fields(row: dict) -> tuple[str, object, dict, dict]:
             raise RowProblem(f"'sampling_params' must be an object, not {_type_name(nested)}")
         unknown = sorted(set(nested) - set(SAMPLING_FIELDS))
         if unknown:
-            raise RowProblem(f"unknown sampling parameter(s) {', '.join(unknown)} "
-                             f"(known: {', '.join(SAMPLING_FIELDS)})")
+            raise RowProblem("; ".join(_sampling_params_problem(name) for name in unknown))
         overrides.update({k: v for k, v in nested.items() if v is not None})
-    return kind, _checked_payload(kind, row[key], key), overrides, _template_kwargs(row)
+    if kind != "messages" and row.get("chat_template_kwargs") is not None:
+        raise RowProblem("'chat_template_kwargs' applies to a 'messages' row only")
+    template_kwargs = _template_kwargs(row)  # first: a row that brings a template is refused for that
+    return kind, _checked_payload(kind, row[key], key), overrides, template_kwargs
 
 
-def _template_kwargs(container: dict) -> dict:
+def _sampling_params_problem(name: str) -> str:
+    problem = plain_field_problem(name, set(SAMPLING_FIELDS))
+    if problem is not None:
+        return "sampling_params: " + problem
+    return f"unknown sampling parameter {quoted_name(name)} (known: {', '.join(SAMPLING_FIELDS)})"
+
+
+def _template_kwargs(container: dict, place: str = "") -> dict:
     kwargs = container.get("chat_template_kwargs")
     if kwargs is None:
         return {}
     if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
-        raise RowProblem(f"'chat_template_kwargs' must be an object, not {_type_name(kwargs)}")
+        raise RowProblem(f"'{place}chat_template_kwargs' must be an object, not {_type_name(kwargs)}")
+    if "chat_template" in kwargs:
+        raise RowProblem(f"'{place}chat_template_kwargs.chat_template': a row cannot bring a chat template; it is the "
+                         "model's, or the file given with --chat-template")
     return {"chat_template_kwargs": kwargs}
+
+
+def own_fields(row: object) -> dict:
+    """The fields of a row that are the user's own data, carried to its record ({} for a row that is no object)."""
+    return _unread_fields(row, is_openai_row(row))[0] if isinstance(row, dict) else {}
+
+
+def _unread_fields(row: dict, openai: bool) -> tuple[dict, list[str]]:
+    """The fields of the row that its form does not read: the user's own (carried to its record), and why the
+    others are refused (a misspelling, or another tool's decoding field)."""
+    known = OPENAI_ROW_KEYS if openai else PLAIN_ROW_KEYS
+    own, problems = {}, []
+    for key, value in row.items():
+        if key in known:
+            continue
+        if openai:
+            meant = meant_field(key, OPENAI_ROW_KEYS)
+            problem = meant and f"unknown field '{key}' (did you mean '{meant}'?)"
+        else:
+            problem = plain_field_problem(key, PLAIN_ROW_KEYS)
+        if problem:
+            problems.append(problem)
+        else:
+            own[key] = value
+    return own, problems
 
 
 def _openai_logprobs(endpoint: str, body: dict) -> dict:
@@ -235,10 +279,11 @@ def _openai_fields(row: dict) -> tuple[str, object, dict, dict]:
     key = "messages" if endpoint == "chat" else "prompt"
     if key not in body:
         raise RowProblem(f"a {endpoint} request body needs '{key}'")
-    unknown = sorted(set(body) - set(OPENAI_SAMPLING_KEYS) - OPENAI_OTHER_KEYS[endpoint])
-    if unknown:
-        raise RowProblem(f"unsupported field(s) {', '.join('body.' + k for k in unknown)} for /v1/"
-                         f"{'chat/completions' if endpoint == 'chat' else 'completions'}")
+    known = set(OPENAI_SAMPLING_KEYS) | OPENAI_OTHER_KEYS[endpoint]
+    problems = [openai_body_problem(k, body[k], known, endpoint == "chat") for k in body if k not in known]
+    if any(problems):
+        raise RowProblem("; ".join(p for p in problems if p))
+    extra = _template_kwargs(body, "body.") if endpoint == "chat" else {}  # first, as for a plain row
     kind = "messages" if endpoint == "chat" else "token_ids" if isinstance(body[key], list) else "prompt"
     overrides = {name: body[key_] for key_, name in OPENAI_SAMPLING_KEYS.items() if body.get(key_) is not None}
     if body.get("response_format") is not None:
@@ -247,9 +292,8 @@ def _openai_fields(row: dict) -> tuple[str, object, dict, dict]:
         except ValueError as exc:
             raise RowProblem(str(exc)) from None
     overrides.update(_openai_logprobs(endpoint, body))
-    extra = {"echo": overrides.pop("echo")} if "echo" in overrides else {}
-    if endpoint == "chat":
-        extra.update(_template_kwargs(body))
+    if "echo" in overrides:
+        extra["echo"] = overrides.pop("echo")
     return kind, _checked_payload(kind, body[key], f"body.{key}"), overrides, extra
 
 
@@ -279,12 +323,15 @@ class RowParser:
         if _has_lone_surrogate(row):
             return RowError(row_id, where, "the row holds text that is not valid Unicode (a lone surrogate "
                             "escape such as \\ud800)", endpoint)
+        passed, problems = _unread_fields(row, openai)
+        if problems:
+            return RowError(row_id, where, "; ".join(problems), endpoint, passed)
         try:
             kind, payload, overrides, extra = _openai_fields(row) if openai else _plain_fields(row)
             params = self._params(overrides, row_id)
         except RowProblem as exc:
-            return RowError(row_id, where, str(exc), endpoint)
-        return RowRequest(row_id, where, kind, payload, params, endpoint, **extra)
+            return RowError(row_id, where, str(exc), endpoint, passed)
+        return RowRequest(row_id, where, kind, payload, params, endpoint, **extra, extra=passed)
 
     def _params(self, overrides: dict, row_id: str) -> SamplingParams:
         values = {**self.defaults, **overrides}
