@@ -126,8 +126,9 @@ MESSAGES = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "sys
 
 @st.composite
 def template_rows(draw):
-    kwargs = draw(st.dictionaries(st.sampled_from(TEMPLATE_KWARG_NAMES) | st.text(max_size=6), TEMPLATE_VALUES,
-                                  max_size=3) | JSON)
+    values = st.dictionaries(st.sampled_from(TEMPLATE_KWARG_NAMES) | st.text(max_size=6), TEMPLATE_VALUES, max_size=3)
+    own_template = st.builds(lambda template, others: {**others, "chat_template": template}, TEMPLATE_VALUES, values)
+    kwargs = draw(own_template | values | JSON)
     messages = draw(st.just(CHAT) | MESSAGES)
     if draw(st.booleans()):
         return {"custom_id": draw(st.text(min_size=1, max_size=4)), "body": {

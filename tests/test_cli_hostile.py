@@ -301,10 +301,12 @@ def test_output_must_be_a_regular_file(tmp_path, kind):
 def test_output_removed_mid_job_is_one_line_and_no_claim_of_records(text_model, tmp_path, monkeypatch):
     folder = tmp_path / "results"
     write = writers.JsonlWriter.write
+    writes = []
 
     def write_then_lose_the_folder(self, record):
         write(self, record)
-        if self.written == 2:
+        writes.append(record)
+        if len(writes) == 2:
             shutil.rmtree(folder)
 
     monkeypatch.setattr(writers.JsonlWriter, "write", write_then_lose_the_folder)
