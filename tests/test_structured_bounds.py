@@ -8,6 +8,7 @@ string over a small alphabet of the grammar's own tokens, with xgrammar's matche
 import json
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import xgrammar as xgr
@@ -123,7 +124,7 @@ def test_accepts_no_output_agrees_with_a_brute_force_search(schema, accepts, cha
 
 def test_the_grammar_check_reads_every_line_of_real_grammars():
     """The check says "productive" for a form it cannot read: it must read the forms xgrammar prints."""
-    sample = json.loads(open("samples/extraction_schema.json").read())
+    sample = json.loads((Path(__file__).parent.parent / "samples" / "extraction_schema.json").read_text())
     for grammar in (xgr.Grammar.from_json_schema(json.dumps(sample)), xgr.Grammar.from_regex(r"[a-z]+@(x|y)\.com"),
                     xgr.Grammar.builtin_json_grammar(),
                     xgr.Grammar.from_ebnf('root ::= "a" b{0, 3} | [0-9]+ c?\nb ::= "x" | b "y"\nc ::= ("q")*')):
