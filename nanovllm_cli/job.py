@@ -236,12 +236,14 @@ class BatchRunner:
                 finished = self.engine.step()
             except EngineFailure as failure:
                 for request in failure.requests:
-                    self._write_error(RowError(request.id, request.where, failure.problem, request.endpoint),
+                    self._write_error(RowError(request.id, request.where, failure.problem, request.endpoint,
+                                               request.extra),
                                       len(request.token_ids), status_code=500)
                 raise EngineStepError(str(failure)) from failure
             for request, result in finished:
                 if isinstance(result, RowFailure):
-                    self._write_error(RowError(request.id, request.where, result.message, request.endpoint),
+                    self._write_error(RowError(request.id, request.where, result.message, request.endpoint,
+                                               request.extra),
                                       len(request.token_ids), result.status_code)
                 else:
                     self._write_result(request, result)
@@ -257,7 +259,7 @@ class BatchRunner:
                 continue
             if row.id in self.seen:
                 self._write_error(RowError(row.id, row.where, f"duplicate id {row.id!r}: an earlier row has it",
-                                           row.endpoint))
+                                           row.endpoint, row.extra))
                 continue
             self.seen.add(row.id)
             if isinstance(row, RowRequest):

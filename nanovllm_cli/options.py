@@ -7,12 +7,13 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from enum import IntEnum
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, get_type_hints
 
 import typer
 
 if TYPE_CHECKING:
-    from nanovllm import LLM
+    from nanovllm import LLM, PromptTokenizer
 
 ENGINE = "Engine"
 SAMPLING = "Sampling defaults (a row's own fields win)"
@@ -98,6 +99,26 @@ class EngineOptions:
         help="embed | classify | score | reward: the pooling task (embeddings, label probabilities, pair scores, "
         "rewards) instead of generating; a causal LM embeds with its decoder. Default: the checkpoint's own (an "
         "embedding or classification checkpoint pools, a causal LM generates).", rich_help_panel=ENGINE)] = None
+    chat_template: Annotated[str | None, typer.Option(
+        "--chat-template", metavar="FILE", help="A Jinja chat template for 'messages' rows instead of the model's "
+        "(a row cannot bring one).", rich_help_panel=ENGINE)] = None
+
+    def chat_template_text(self) -> str | None:
+        """The text of the --chat-template file, or None; ValueError naming the file when it cannot be used."""
+        if self.chat_template is None:
+            return None
+        path = Path(self.chat_template)
+        if not path.is_file():
+            raise ValueError(f"--chat-template {path}: " + ("not a regular file" if path.exists() else "no such file"))
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ValueError(f"--chat-template {path}: {exc.strerror or exc}") from None
+        except UnicodeDecodeError:
+            raise ValueError(f"--chat-template {path}: not UTF-8 text") from None
+        if not text.strip():
+            raise ValueError(f"--chat-template {path}: the file is empty")
+        return text
 
     def args(self, seed: int | None = None) -> dict:
         """The keyword arguments of `LLM(model, **args)` (of each replica's, with data parallelism): only the
@@ -109,6 +130,7 @@ class EngineOptions:
             raise ValueError(f"--kv-cache-gib must be a positive number of GiB, not {self.kv_cache_gib}")
         if seed is not None and not -(1 << 63) <= seed < 1 << 63:
             raise ValueError(f"--seed must be an integer in [-2**63, 2**63 - 1], not {seed}")
+        self.chat_template_text()  # readable before anything loads
         args = {"dtype": self.dtype, "kv_cache_dtype": self.kv_cache_dtype, "max_model_len": self.max_model_len,
                 "max_num_seqs": self.max_num_seqs,
                 "max_num_batched_tokens": self.max_num_batched_tokens,
@@ -186,6 +208,26 @@ def load_llm(engine: EngineOptions, seed: int | None = None) -> LLM:
     except ValueError as exc:
         raise fail(str(exc)) from None
     try:
-        return LLM(engine.model, **args)
+        llm = LLM(engine.model, **args)
     except (ValueError, OSError, ImportError, RuntimeError, KeyError) as exc:
         raise fail(f"cannot load the model: {exc}") from None
+    try:
+        use_chat_template(engine, llm.prompts)
+    except typer.Exit:
+        llm.exit()
+        raise
+    return llm
+
+
+def use_chat_template(engine: EngineOptions, prompts: PromptTokenizer) -> None:
+    """Give `prompts` the --chat-template, if one was given (a usage error when it does not fit the model)."""
+    try:
+        text = engine.chat_template_text()
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+    if text is None:
+        return
+    try:
+        prompts.use_chat_template(text)
+    except ValueError as exc:
+        raise fail(f"--chat-template {engine.chat_template}: {exc}") from None

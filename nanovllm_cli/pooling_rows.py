@@ -25,6 +25,10 @@ EMBEDDINGS_BODY_KEYS = {"input", "model", "dimensions", "encoding_format", "user
 class PoolingRowParser(RowParser):
     """RowParser of a `task` job: rows as above, `pooling_defaults` (PoolingParams fields) overridden by a row's."""
 
+    # What a pooling row may hold (generation fields too, which _plain_fields refuses by name for this job).
+    plain_row_keys = frozenset({"id", *INPUT_KEYS, *(key for keys in SCORE_KINDS.values() for key in keys),
+                                *POOLING_FIELDS, "pooling_params", "sampling_params", *SAMPLING_FIELDS})
+
     def __init__(self, base_seed: int, label: str, task: str, pooling_defaults: dict, source: str | None = None):
         super().__init__({}, base_seed, label, source)
         self.task = task
@@ -33,8 +37,10 @@ class PoolingRowParser(RowParser):
     def _endpoint(self, row: dict) -> str:
         return "embeddings"
 
-    def _request(self, row_id: str, where: str, row: dict, openai: bool, endpoint: str | None) -> RowRequest:
-        return RowRequest(row_id, where, *pooling_request(row, openai, self.task, self.pooling_defaults), endpoint)
+    def _request(self, row_id: str, where: str, row: dict, openai: bool, endpoint: str | None,
+                 passed: dict) -> RowRequest:
+        return RowRequest(row_id, where, *pooling_request(row, openai, self.task, self.pooling_defaults), endpoint,
+                          extra=passed)
 
 
 def pooling_request(row: dict, openai: bool, task: str, defaults: dict) -> tuple[str, object, PoolingParams]:

@@ -281,6 +281,7 @@ def run_on_ray(job: RayJob) -> dict:
         files = list_input_files(job.input, job.input_format)
         check_output(job.output, job.overwrite, job.input)
         engine_args = job.engine.args()
+        chat_template = job.engine.chat_template_text()
         openai = first_row_is_openai(files)
         spec = pooling_spec(job.engine.model, **engine_args)
     except (ValueError, OSError) as exc:
@@ -305,7 +306,8 @@ def run_on_ray(job: RayJob) -> dict:
                             fn_constructor_kwargs={"model": model, "engine_args": engine_args, "sampling": job.sampling,
                                                    "seed": job.seed, "openai": layout.openai,
                                                    "include_token_ids": layout.include_token_ids,
-                                                   "reorder": job.reorder, "pooling": job.pooling}))
+                                                   "reorder": job.reorder, "chat_template": chat_template,
+                                                   "pooling": job.pooling}))
     mode = ray.data.SaveMode.OVERWRITE if job.overwrite else ray.data.SaveMode.APPEND
     try:
         if out_format == "parquet":

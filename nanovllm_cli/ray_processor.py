@@ -118,20 +118,23 @@ class LLMProcessor:
     `sampling`: the default sampling fields a row's own override (as `nanovllm run`'s options; greedy with 64
     tokens when not given); `seed`: the engine seed, from which a row without a seed derives its own (as in
     `nanovllm run`); `openai`: the rows are OpenAI batch lines and the records OpenAI batch output;
-    `include_token_ids`: add prompt_token_ids and token_ids; `reorder`: prefix-aware admission within a batch.
-    A pooling model's rows and records are a pooling job's (`nanovllm run --task`), `pooling` its defaults
-    (PoolingParams fields).
-    A model path must exist on every node (ModelNotOnNode names the node lacking it)."""
+    `include_token_ids`: add prompt_token_ids and token_ids; `reorder`: prefix-aware admission within a batch;
+    `chat_template`: a Jinja chat template (its text) for 'messages' rows instead of the model's. A pooling model's
+    rows and records are a pooling job's (`nanovllm run --task`), `pooling` its defaults (PoolingParams fields).
+    A model path must exist on every node (ModelNotOnNode names the node lacking it). A row's fields that nanovllm
+    does not read are not carried into its record here (one Arrow schema for every batch)."""
 
     def __init__(self, model: str | None = None, *, engine_args: dict | None = None, sampling: dict | None = None,
                  seed: int = 0, openai: bool = False, include_token_ids: bool = False, reorder: bool = True,
-                 pooling: dict | None = None):
+                 chat_template: str | None = None, pooling: dict | None = None):
         from nanovllm import LLM, SamplingParams
 
         self.defaults = {"max_tokens": 64, "temperature": 0.0, **(sampling or {})}
         SamplingParams(**self.defaults)  # a bad default fails the actor at once, not every row
         check_model_on_node(model)
         self.llm = LLM(model, **{**(engine_args or {}), "seed": seed})
+        if chat_template is not None:
+            self.llm.prompts.use_chat_template(chat_template)
         self.seed = seed
         spec = self.llm.info.pooling
         self.layout = RecordLayout(openai=openai, include_token_ids=include_token_ids,

@@ -376,6 +376,7 @@ def load_replicas(engine: EngineOptions, seed: int | None = None) -> ReplicaPool
         raise o.fail(str(exc)) from None
     except (ValueError, OSError, ImportError, RuntimeError, KeyError) as exc:
         raise o.fail(f"cannot load the model: {exc}") from None
+    o.use_chat_template(engine, prompts)
     try:
         return ReplicaPool(engine.model, args, prompts, placements)
     except ReplicaFailed as exc:

@@ -1,9 +1,9 @@
 """`nanovllm run`: a completion for every row of a JSONL / Parquet file, streamed into OUTPUT as rows finish."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
-import signal
 import time
 import traceback
 from collections.abc import Iterable
@@ -13,13 +13,14 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from nanovllm_cli import options as o
+from nanovllm_cli.interrupts import interruptible
 from nanovllm_cli.options import EngineOptions, ExitCode, with_engine_options
 
 if TYPE_CHECKING:  # the engine imports torch: not needed for `--help`
     from nanovllm import LLM, PoolingSpec
     from nanovllm_cli.display import Snapshot
     from nanovllm_cli.job import RunStats
-    from nanovllm_cli.preflight import OutputLock
+    from nanovllm_cli.preflight import InputScan, OutputLock
     from nanovllm_cli.records import RecordLayout
     from nanovllm_cli.replicas import ReplicaPool
     from nanovllm_cli.rows import RowError, RowRequest
@@ -29,6 +30,7 @@ IO = "Input and output"
 RAY = "Ray cluster"
 
 
+@interruptible
 @with_engine_options()
 def run(
     input_path: Annotated[str, typer.Argument(
@@ -53,6 +55,9 @@ def run(
     include_token_ids: Annotated[bool, typer.Option(
         "--include-token-ids", help="Add prompt_token_ids and token_ids to each result.",
         rich_help_panel=IO)] = False,
+    drop_columns: Annotated[bool, typer.Option(
+        "--drop-columns", help="Leave out of each record the row's own fields (those nanovllm does not read), "
+        "which are carried through by default.", rich_help_panel=IO)] = False,
     reorder: Annotated[bool, typer.Option(
         "--reorder/--no-reorder", help="Prefix-aware admission inside the read-ahead window, or file order.",
         rich_help_panel=IO)] = True,
@@ -105,7 +110,9 @@ def run(
     **Output**: {"id", "text", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "error",
     "structured_complete"} per row (structured_complete false: cut by max_tokens, the text may not parse);
     OpenAI batch output lines for OpenAI input. A bad row gets an error record naming the row and the problem,
-    and every other row still runs.
+    and every other row still runs. A row's other fields are its own data, carried into its record (after the
+    record's own fields, which win a name clash; not with --drop-columns), except a misspelled field or one
+    another tool decodes with, which is the row's error.
 
     **Pooling** (an embedding or classification checkpoint, or --task embed|classify|score|reward): rows
     {"id", "text" | "prompt" | "messages" | "prompt_token_ids"} (score: {"id", "text_1", "text_2"} or {"id",
@@ -128,7 +135,6 @@ def run(
     from nanovllm_cli.pooling_rows import PoolingRowParser
     from nanovllm_cli.preflight import OutputLock, PreflightError, duplicates_message, scan_input
     from nanovllm_cli.readers import detect_format, iter_rows
-    from nanovllm_cli.records import RecordLayout
     from nanovllm_cli.rows import RowParser
 
     defaults = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
@@ -175,13 +181,13 @@ def run(
         raise o.fail(f"invalid sampling option: {exc}") from None
     try:
         lora = LoRAModules.parse(engine.lora_modules) if engine.lora_modules else None
+        engine.chat_template_text()
     except ValueError as exc:
         raise o.fail(str(exc)) from None
     embedding_size = None
     if task == "embed" and output.suffix.lower() == ".parquet":  # one vector size for the fixed-size column
         embedding_size = dimensions or pooling.output_size
-    layout = RecordLayout(openai=scan.openai, include_token_ids=include_token_ids, task=task,
-                          embedding_size=embedding_size)
+    layout = record_layout(scan, output, include_token_ids, drop_columns, task, embedding_size)
     resume = resume or retry_failed or sync
     lock = OutputLock(output)
     try:
@@ -221,6 +227,30 @@ def pooling_of(engine: EngineOptions) -> PoolingSpec | None:
         return None
 
 
+def record_layout(scan: InputScan, output: Path, include_token_ids: bool, drop_columns: bool, task: str | None,
+                  embedding_size: int | None) -> RecordLayout:
+    """The records' shape: a pooling task's or generation's, with the rows' own fields carried (a Parquet
+    OUTPUT's columns from the input scan), or none. A row's field named as one of the record's own is not
+    carried: say so once."""
+    from nanovllm_cli.preflight import MAX_CARRIED_FIELDS
+    from nanovllm_cli.records import RecordLayout
+
+    layout = RecordLayout(openai=scan.openai, include_token_ids=include_token_ids, task=task,
+                          embedding_size=embedding_size, drop_columns=drop_columns)
+    if drop_columns:
+        return layout
+    clashes = scan.clashes(layout.own_fields)
+    if clashes:
+        typer.echo(f"note: the rows' field(s) {', '.join(map(repr, clashes[:5]))} share a name with the records' own; "
+                   "the records keep their own (rename the input's to carry it)", err=True)
+    if output.suffix.lower() == ".parquet":
+        if scan.too_many_fields:
+            raise o.fail(f"INPUT's rows carry more than {MAX_CARRIED_FIELDS} fields of their own: too many columns for "
+                         "a Parquet OUTPUT; add --drop-columns or write JSONL")
+        layout = dataclasses.replace(layout, passthrough=scan.passthrough(layout.own_fields))
+    return layout
+
+
 def finish(summary: dict, quiet: bool, json_summary: bool) -> None:
     """Print the summary (a table on stderr, and/or JSON on stdout) and exit with its code."""
     if not quiet:
@@ -242,6 +272,7 @@ def prepare_output(output: Path, input_path: Path, layout: RecordLayout, lock: O
         PreflightError,
         check_not_input,
         check_output,
+        check_output_kind,
         prepare_output_dir,
         stale_message,
         stale_records,
@@ -250,6 +281,7 @@ def prepare_output(output: Path, input_path: Path, layout: RecordLayout, lock: O
 
     try:
         prepare_output_dir(output)
+        check_output_kind(output)
         check_not_input(output, input_path, lock.path)
         lock.acquire()
         check_output(output, resume=resume, overwrite=overwrite)
@@ -277,7 +309,7 @@ def run_job(source: LLM | ReplicaPool, rows: Iterable[RowRequest | RowError], ro
     from nanovllm_cli.display import ProgressDisplay
     from nanovllm_cli.job import BatchRunner, EngineFeeder, JobFailed, RunStats
     from nanovllm_cli.records import RecordBuilder
-    from nanovllm_cli.writers import open_writer
+    from nanovllm_cli.writers import OutputWriteError, open_writer
 
     try:
         writer = open_writer(output, layout, append)
@@ -290,32 +322,39 @@ def run_job(source: LLM | ReplicaPool, rows: Iterable[RowRequest | RowError], ro
                          window=window, reorder=reorder, skip_ids=skip_ids, on_step=display.tick,
                          on_error=display.row_error)
     code = ExitCode.OK
-    previous_sigterm = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM ends it like Ctrl-C
     try:
         with display:
             runner.run(rows)
     except KeyboardInterrupt:
         code = ExitCode.INTERRUPTED
-    except JobFailed as exc:
+    except (JobFailed, OutputWriteError) as exc:
         typer.echo(f"error: {exc}", err=True)
         code = ExitCode.INTERNAL
     except Exception:  # noqa: BLE001 (a bug or an engine failure: keep what is written, say how to go on)
         traceback.print_exc()
         code = ExitCode.INTERNAL
-    finally:
-        signal.signal(signal.SIGTERM, previous_sigterm)
     stats.ended = time.perf_counter()
     try:
         writer.close()
-    except Exception:  # noqa: BLE001 (e.g. a full disk while merging Parquet: the journal stays for --resume)
-        traceback.print_exc()
+    except (OutputWriteError, OSError) as exc:  # e.g. a full disk while merging Parquet: the journal stays
+        typer.echo(f"error: {exc}", err=True)
         code = ExitCode.INTERNAL
     if code == ExitCode.OK and (stats.rows_failed or failed_before):
         code = ExitCode.ROWS_FAILED
     if code in (ExitCode.INTERRUPTED, ExitCode.INTERNAL):
-        typer.echo(f"stopped after {stats.rows_done} rows, all written to {output}; run again with --resume "
-                   "to finish", err=True)
-    return code, {**build_summary(stats, source, output, layout, code), "rows_failed_before": failed_before}
+        typer.echo(stop_message(stats.rows_done, writer.records_kept, output), err=True)
+    return code, {**build_summary(stats, source, output, layout, code), "records_written": writer.records_kept,
+                  "rows_failed_before": failed_before}
+
+
+def stop_message(rows_done: int, records_kept: int, output: Path) -> str:
+    """What a stopped job leaves: never more records than OUTPUT holds."""
+    if records_kept == rows_done:
+        done = f"stopped after {rows_done} rows, their records in {output}"
+    else:
+        done = (f"stopped after {rows_done} rows, {records_kept or 'none'} of their records in {output} "
+                "(writing failed)")
+    return f"{done}; run again with --resume to finish"
 
 
 def snapshot(stats: RunStats, source: LLM | ReplicaPool) -> Snapshot:

@@ -230,3 +230,22 @@ def test_one_input_file_feeds_every_engine(cluster, tmp_path):
     pids = Counter(r["pid"] for r in rows.map_batches(ActorPid, batch_size=2, batch_format="pyarrow",
                                                         compute=ray.data.ActorPoolStrategy(size=2)).take_all())
     assert len(pids) == 2 and sum(pids.values()) == 24, pids
+
+
+def test_run_ray_gives_a_hostile_row_an_error_record_and_runs_the_others(cluster, text_model, tmp_path):
+    """The row that ended a whole Ray job (its own chat template, raising) is one error record; the other rows, in
+    this file and in another, run."""
+    chat = [{"role": "user", "content": "Hi"}]
+    (tmp_path / "in").mkdir()
+    write_jsonl(tmp_path / "in" / "a.jsonl", [{"id": "a1", "prompt": "Once upon a time"},
+                                              {"id": "bad", "messages": chat,
+                                               "chat_template_kwargs": {"chat_template": "{{ 1/0 }}"}},
+                                              {"id": "a2", "messages": chat}])
+    write_jsonl(tmp_path / "in" / "b.jsonl", [{"id": "b1", "prompt_token_ids": [5, 6, 7]}])
+    out = tmp_path / "results.jsonl"
+    result = invoke("run", tmp_path / "in", "--ray", "-o", out, "--model", text_model, *ENGINE_FLAGS, "-q")
+    assert result.exit_code == 1, result.stderr
+    records = {r["id"]: r for shard in sorted(out.iterdir()) for r in map(json.loads, shard.read_text().splitlines())}
+    assert set(records) == {"a1", "bad", "a2", "b1"}
+    assert "a row cannot bring a chat template" in records["bad"]["error"]
+    assert all(records[i]["error"] is None and records[i]["completion_tokens"] > 0 for i in ("a1", "a2", "b1"))

@@ -4,6 +4,7 @@ import dataclasses
 import itertools
 import random
 import sys
+import threading
 import time
 from contextlib import nullcontext
 from typing import TYPE_CHECKING
@@ -26,6 +27,7 @@ from nanovllm.lora import LoRARequest
 from nanovllm.lora.manager import LoRAManager
 from nanovllm.pooling import resolve_task
 from nanovllm.pooling_params import PoolingParams
+from nanovllm.quoting import quoted
 from nanovllm.runner.logit_controls import HISTORY_WINDOW
 from nanovllm.runner.model_runner import ModelRunner
 from nanovllm.runner.tp_workers import TPRunner, TPWorkerError, start_workers
@@ -59,6 +61,7 @@ class LLM(PoolingAPI, ChoicesAPI):
         started = time.perf_counter()
         self._runner: ModelRunner | None = None
         self._workers = None
+        self._batch_lock = threading.Lock()  # generate / chat from several threads run one after another
         self._grammars: GrammarCompileCache | None = None  # made on the first constrained request
         self.config = EngineConfig.from_kwargs(**engine_args)
         resolved = resolve_model(model, self.config.load_format, self.config.revision)
@@ -201,7 +204,7 @@ class LLM(PoolingAPI, ChoicesAPI):
             spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
             for ids in (plain, spaced) if spaced[0] != plain[0] and len(spaced) == len(plain) else (plain,):
                 if len(ids) > HISTORY_WINDOW + 1:
-                    raise ValueError(f"SamplingParams.bad_words: {word!r} is {len(ids)} tokens, more than "
+                    raise ValueError(f"SamplingParams.bad_words: {quoted(word)} is {len(ids)} tokens, more than "
                                      f"{HISTORY_WINDOW + 1}")
                 words_ids.append(ids)
         return words_ids
@@ -327,6 +330,10 @@ class LLM(PoolingAPI, ChoicesAPI):
         if self.pooling is not None:
             raise ValueError(f"model {self.model_name!r} runs as a pooling model (task {self.pooling.task!r}): use "
                              "LLM.embed / classify / score / reward")
+        with self._batch_lock:  # a batch collects every output the engine gives: one batch at a time
+            return self._run_one_batch(items, sampling_params, lora_requests)
+
+    def _run_one_batch(self, items: list[tuple], sampling_params, lora_requests) -> list[RequestOutput]:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(items)
         if len(sampling_params) != len(items):

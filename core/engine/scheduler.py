@@ -18,10 +18,6 @@ if TYPE_CHECKING:
     from nanovllm.structured import RowGrammar
 
 
-def _rejected(token_id: int) -> str:
-    return f"structured_outputs: the grammar rejected sampled token {token_id}"
-
-
 @dataclass
 class _DecodePlan:
     """The previous step when it was only decodes, of every running sequence that had a token to compute: the
@@ -340,15 +336,15 @@ class Scheduler:
             if grammar is None:
                 reason = self._stop_reason(seq, token_id)
             elif grammar.rejected_token is not None:  # a deferred accept failed
-                self._finish(seq, "error", _rejected(grammar.rejected_token))
+                self._finish_rejected(seq, grammar)
                 continue
             else:  # the mask allows a stop id only where the grammar is complete: it ends the row (ignore_eos too)
                 reason = "stop" if token_id in grammar.stop_token_ids else self._stop_reason(seq, token_id)
                 if not reason:  # the row goes on: its accept can wait for the next step's masks
                     self._deferred_accepts.append((grammar, token_id))
                     continue
-                if not grammar.accept(token_id):  # the mask allows only acceptable tokens: an engine bug
-                    self._finish(seq, "error", _rejected(token_id))
+                if not grammar.accept(token_id):  # the mask allows only acceptable tokens, if any
+                    self._finish_rejected(seq, grammar)
                     continue
             if reason:
                 self._finish(seq, reason)
@@ -381,6 +377,12 @@ class Scheduler:
         if seq.num_tokens >= seq.max_len:
             return "length"
         return None
+
+    def _finish_rejected(self, seq: Sequence, grammar: RowGrammar) -> None:
+        """A constrained row whose sampled token its grammar refused: the request's fault (400) where no token could
+        follow, else an engine bug."""
+        self._finish(seq, "error", grammar.rejection())
+        seq.invalid_request = grammar.dead_end
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         seq.status = SequenceStatus.FINISHED

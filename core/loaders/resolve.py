@@ -40,6 +40,7 @@ def resolve_model(model: str | None, load_format: str = "auto", revision: str | 
 
     from nanovllm.loaders import hub
     from nanovllm.loaders.gguf import gguf_to_hf_dir
+    from nanovllm.loaders.integrity import check_checkpoint_files
     from nanovllm.models.registry import check_supported
 
     if model is None:
@@ -64,6 +65,7 @@ def resolve_model(model: str | None, load_format: str = "auto", revision: str | 
                          f"({', '.join(preset_names())}) nor a Hugging Face Hub id (org/name)")
     if not (directory / "config.json").exists():
         raise ValueError(f"model directory {directory} has no config.json")
+    check_checkpoint_files(directory, weights=load_format != "dummy")  # a truncated file: one error naming it
     hf_config = AutoConfig.from_pretrained(str(directory))
     check_supported(hf_config)
     has_tokenizer = any((directory / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
