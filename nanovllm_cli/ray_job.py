@@ -283,9 +283,12 @@ def run_on_ray(job: RayJob) -> dict:
         engine_args = job.engine.args()
         chat_template = job.engine.chat_template_text()
         openai = first_row_is_openai(files)
-        spec = pooling_spec(job.engine.model, **engine_args)
     except (ValueError, OSError) as exc:
         raise o.fail(str(exc)) from None
+    try:
+        spec = pooling_spec(job.engine.model, **engine_args)
+    except (ValueError, OSError, ImportError, KeyError):
+        spec = None  # a model this node cannot resolve generates here: the engines' nodes load it and say why
     import ray
     import ray.data
 
