@@ -1,24 +1,33 @@
 """Each distinct constraint compiled once, on a background thread pool, for one tokenizer and model vocabulary.
 
-xgrammar releases the GIL while it compiles, so a compile on the pool does not stall the step loop's thread.
-Results are kept by canonical key (`StructuredOutputsParams.canonical_key`); an invalid constraint's error is
-kept the same way, so rows sharing it get the same error without a second compile, and no other key is affected.
-"""
+The pool first builds the engine's `GrammarVocabulary` (xgrammar's tokenizer tables), from construction on, so the
+first constrained request does not pay for it inside the step loop; compiles queued behind it start once it is
+there. xgrammar releases the GIL while it compiles, so compiles run in parallel with each other and with the step
+loop's thread. Results are kept by canonical key (`StructuredOutputsParams.canonical_key`); an invalid
+constraint's error is kept the same way, so rows sharing it get the same error without a second compile, and no
+other key is affected. This module imports xgrammar only on the pool (importing it takes a second or more)."""
 from __future__ import annotations
 
 import json as jsonlib
+import os
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for_futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import xgrammar as xgr
-
+from nanovllm.structured.json_pattern import splice_patterns
+from nanovllm.structured.json_schema import fix_string_class, prepare_schema
 from nanovllm.structured.params import StructuredOutputsParams
-from nanovllm.structured.row_grammar import RowGrammar
+from nanovllm.structured.regex import python_regex
+
+if TYPE_CHECKING:
+    import torch
+    import xgrammar as xgr
+
+    from nanovllm.structured.vocabulary import GrammarVocabulary
 
 _WHAT = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regex", "choice": "choice list",
          "grammar": "EBNF grammar"}
@@ -30,14 +39,21 @@ class ConstraintError(ValueError):
     """A constraint that does not compile; the message names the field and says why."""
 
 
-@dataclass(frozen=True)
+def host_cpus() -> int:
+    """The CPUs this process may run on (its affinity, which containers set), not the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+@dataclass
 class CompiledConstraint:
     key: tuple[str, str]
     grammar: xgr.CompiledGrammar
-
-    def new_row(self, stop_token_ids: Sequence[int]) -> RowGrammar:
-        """A fresh matcher for one output row; `stop_token_ids` (EOS and the row's stop ids) end it."""
-        return RowGrammar(self.grammar, stop_token_ids)
+    vocabulary: GrammarVocabulary
+    # The mask of a fresh row, per set of stop ids: every row of this constraint starts there (GrammarManager).
+    start_masks: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
 
 
 class CompileFuture:
@@ -68,27 +84,20 @@ def _choice_grammar(choices: list[str]) -> str:
     return "root ::= " + " | ".join(jsonlib.dumps(c) for c in choices)
 
 
-def mask_vocab_size(tokenizer, vocab_size: int) -> int:
-    """The ids a grammar's bitmask covers: the tokenizer's (up to its largest id), at most the model's `vocab_size`.
-    A model's vocabulary is often padded past its tokenizer's (Qwen3: 151,936 for 151,669 ids), and xgrammar's
-    fills and accepts cost several times more per padded id (SmolLM2's 49,152 ids in a 151,936 vocabulary: a
-    row's fill inside a JSON string 38 µs against 291, an accept 4 against 33); the ids past it are never allowed
-    (the mask rule of nanovllm.kernels.token_bitmask)."""
-    return min(vocab_size, max(tokenizer.get_vocab().values()) + 1)
-
-
 class GrammarCompileCache:
     """Compiles constraints for one tokenizer. `vocab_size` is the MODEL's (its logits' width), which may exceed
-    the tokenizer's; grammars cover `mask_vocab_size` ids, and the ones past them are never allowed. Thread-safe."""
+    the tokenizer's; grammars cover `mask_vocab_size` ids, and the ones past them are never allowed. Thread-safe.
 
-    def __init__(self, tokenizer, vocab_size: int, max_workers: int = 2, threads_per_compile: int = 2,
+    `max_workers` compiles run at once, each on `threads_per_compile` of xgrammar's threads; the defaults fill the
+    CPUs this process may use (half of them compiling, two threads each), so many distinct schemas compile in
+    parallel while one schema still gets two threads."""
+
+    def __init__(self, tokenizer, vocab_size: int, max_workers: int | None = None, threads_per_compile: int = 2,
                  max_entries: int = 4096, json_max_whitespace: int | None = 32):
         self.vocab_size = vocab_size
-        self.mask_vocab_size = mask_vocab_size(tokenizer, vocab_size)
-        self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.mask_vocab_size)
-        self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=threads_per_compile,
-                                             cache_enabled=False)  # this class is the cache
-        self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="grammar-compile")
+        workers = max_workers or max(2, host_cpus() // 2)
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="grammar-compile")
+        self._setup = self._pool.submit(self._build, tokenizer, vocab_size, threads_per_compile)
         self._futures: OrderedDict[tuple[str, str], CompileFuture] = OrderedDict()
         self._lock = threading.Lock()
         self.max_entries = max_entries
@@ -97,8 +106,31 @@ class GrammarCompileCache:
         self.json_max_whitespace = json_max_whitespace
         self.num_compiles = 0  # compiles started: one per distinct key while it stays cached
 
+    @staticmethod
+    def _build(tokenizer, vocab_size: int, threads: int) -> tuple[GrammarVocabulary, xgr.GrammarCompiler]:
+        import xgrammar as xgr
+
+        from nanovllm.structured.vocabulary import build_vocabulary
+
+        vocabulary = build_vocabulary(tokenizer, vocab_size)
+        # this class is the cache
+        return vocabulary, xgr.GrammarCompiler(vocabulary.tokenizer_info, max_threads=threads, cache_enabled=False)
+
+    def vocabulary(self) -> GrammarVocabulary:
+        """The engine's grammar vocabulary; blocks until the background build is done."""
+        return self._setup.result()[0]
+
+    @property
+    def mask_vocab_size(self) -> int:
+        return self.vocabulary().mask_vocab_size
+
+    def ready(self) -> bool:
+        """Whether the vocabulary is built (compiles need it); never blocks."""
+        return self._setup.done()
+
     def request(self, params: StructuredOutputsParams) -> CompileFuture:
-        """The compile of `params`' constraint: started now on the pool if its key is new, else the shared one."""
+        """The compile of `params`' constraint: started on the pool if its key is new, else the shared one.
+        Never blocks: a compile queued before the vocabulary is built waits for it on the pool."""
         key = params.canonical_key()
         with self._lock:
             future = self._futures.get(key)
@@ -118,21 +150,36 @@ class GrammarCompileCache:
             del self._futures[key]
 
     def _compile(self, params: StructuredOutputsParams, key: tuple[str, str]) -> CompiledConstraint:
+        vocabulary, compiler = self._setup.result()
         kind = key[0]
         try:
-            if kind in ("json", "json_object"):
-                schema = key[1] if kind == "json" else '{"type": "object"}'
-                grammar = self._compiler.compile_json_schema(schema, max_whitespace_cnt=self.json_max_whitespace)
-            elif kind == "regex":
-                grammar = self._compiler.compile_regex(params.regex)
-            elif kind == "choice":
-                grammar = self._compiler.compile_grammar(_choice_grammar(params.choice))
-            else:
-                grammar = self._compiler.compile_grammar(params.grammar)
+            grammar = self._compile_kind(compiler, params, kind, key[1])
         except (RuntimeError, ValueError) as e:  # xgrammar reports bad input as either
             reason = (_NOISE.sub("", str(e)).strip().splitlines() or [type(e).__name__])[0]
             raise ConstraintError(f"structured_outputs.{kind}: invalid {_WHAT[kind]}: {reason}") from None
-        return CompiledConstraint(key, grammar)
+        return CompiledConstraint(key, grammar, vocabulary)
+
+    def _compile_kind(self, compiler: xgr.GrammarCompiler, params: StructuredOutputsParams, kind: str,
+                      text: str) -> xgr.CompiledGrammar:
+        import xgrammar as xgr
+
+        if kind == "json":
+            prepared = prepare_schema(jsonlib.loads(text))
+            schema_text = jsonlib.dumps(prepared.schema)
+            if not prepared.needs_grammar_text:
+                return compiler.compile_json_schema(schema_text, max_whitespace_cnt=self.json_max_whitespace)
+            grammar = str(xgr.Grammar.from_json_schema(schema_text, max_whitespace_cnt=self.json_max_whitespace))
+            if prepared.long_strings:
+                grammar = fix_string_class(grammar)
+            return compiler.compile_grammar(splice_patterns(grammar, prepared.patterns))
+        if kind == "json_object":
+            return compiler.compile_json_schema('{"type": "object"}', max_whitespace_cnt=self.json_max_whitespace)
+        if kind == "regex":
+            return compiler.compile_regex(python_regex(params.regex))
+        if kind == "choice":
+            return compiler.compile_grammar(_choice_grammar(params.choice))
+        return compiler.compile_grammar(params.grammar)
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        """Stop compiling: queued compiles are dropped, a running one finishes on its own."""
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -2,9 +2,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import xgrammar as xgr
+
+if TYPE_CHECKING:
+    from nanovllm.structured.compile_cache import CompiledConstraint
 
 
 def clear_bits_past(bitmask: torch.Tensor, vocab_size: int) -> None:
@@ -17,35 +21,50 @@ def clear_bits_past(bitmask: torch.Tensor, vocab_size: int) -> None:
 class RowGrammar:
     """An xgrammar matcher for one row. While the grammar is incomplete its bitmask allows only tokens that keep
     the output a valid prefix; once complete, it also allows the stop tokens (EOS and the row's stop ids), and
-    once nothing can follow, only them. Accepting a stop token terminates the row: it finishes with "stop"."""
+    once nothing can follow, only them. Accepting a stop token terminates the row: it finishes with "stop".
 
-    def __init__(self, grammar: xgr.CompiledGrammar, stop_token_ids: Sequence[int]):
-        self.mask_vocab_size = grammar.tokenizer_info.vocab_size  # ids past it are never allowed
+    `slot` and `mask_at` belong to the GrammarManager: the row's line in its host mask tables, and (step mask
+    number, slot) of the last mask written there for the row's current place."""
+
+    __slots__ = ("compiled", "mask_vocab_size", "_matcher", "stop_token_ids", "num_accepted", "rejected_token",
+                 "slot", "mask_at")
+
+    def __init__(self, compiled: CompiledConstraint, stop_token_ids: Sequence[int]):
+        self.compiled = compiled
+        self.mask_vocab_size = compiled.vocabulary.mask_vocab_size  # ids past it are never allowed
         # a stop id past the tokenizer's ids can never be sampled in a constrained row
         stop = sorted({t for t in stop_token_ids if t < self.mask_vocab_size})
         if not stop:
             raise ValueError("a constrained row needs at least one stop token id (EOS) to end on")
-        self._matcher = xgr.GrammarMatcher(grammar, override_stop_tokens=stop)
+        self._matcher = xgr.GrammarMatcher(compiled.grammar, override_stop_tokens=stop)
         self.stop_token_ids = tuple(stop)
         self.num_accepted = 0
         self.rejected_token: int | None = None  # the last token `accept` refused (the mask allows none: a bug)
+        self.slot: int | None = None
+        self.mask_at: tuple[int, int] | None = None
 
     def fork(self) -> RowGrammar:
-        """An independent copy at the same place (a request with `n` > 1 forks its rows)."""
+        """An independent copy at the same place (its own slot, none yet)."""
         twin = object.__new__(RowGrammar)
+        twin.compiled = self.compiled
         twin.mask_vocab_size = self.mask_vocab_size
         twin._matcher = self._matcher.fork()
         twin.stop_token_ids = self.stop_token_ids
         twin.num_accepted = self.num_accepted
         twin.rejected_token = self.rejected_token
+        twin.slot = twin.mask_at = None
         return twin
 
     def accept(self, token_id: int) -> bool:
         """Advance by one sampled token; False (state unchanged, the token kept as `rejected_token`) if the grammar
         does not allow it here."""
-        accepted = self._matcher.accept_token(token_id)
-        self.num_accepted += accepted
-        if not accepted:
+        return self.note_accepted(token_id, self._matcher.accept_token(token_id))
+
+    def note_accepted(self, token_id: int, accepted: bool) -> bool:
+        """Count a token the matcher was given (one by one or in a batch)."""
+        if accepted:
+            self.num_accepted += 1
+        else:
             self.rejected_token = token_id
         return accepted
 
@@ -73,6 +92,7 @@ class RowGrammar:
         if num_tokens:
             self._matcher.rollback(num_tokens)
             self.num_accepted -= num_tokens
+            self.mask_at = None
 
     @property
     def matcher(self) -> xgr.GrammarMatcher:
