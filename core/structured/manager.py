@@ -96,6 +96,7 @@ class GrammarManager:
         self._pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory  # for the copy to a GPU
         self._tables: list[torch.Tensor] = []  # made with the first constrained step
         self._lines: list[torch.Tensor] = []
+        self._lines_np: list = []
         self._fences = [CopyFence(), CopyFence()]
         self._free_slots = list(range(max_rows))  # a heap: the lowest free slot first keeps masks short
         self._num_rows = 0  # rows started and not released
@@ -188,6 +189,7 @@ class GrammarManager:
         self._tables = [torch.empty(self.max_rows, width, dtype=torch.int32, pin_memory=self._pin_memory)
                         for _ in range(2)]
         self._lines = [torch.empty(self.max_rows, dtype=torch.int64, pin_memory=self._pin_memory) for _ in range(2)]
+        self._lines_np = [lines.numpy() for lines in self._lines]  # written by index lists in one call
         self._batch_matcher = xgr.BatchGrammarMatcher(self.fill_threads)
 
     def start_accepts(self, grammars: StepGrammars, sampled: list[int]) -> None:
@@ -258,32 +260,37 @@ class GrammarManager:
         which = step & 1
         self._fences[which].wait()
         table, lines = self._tables[which], self._lines[which]
-        lines.fill_(-1)
+        slots: list[int] = []
+        indices: list[int] = []
         stale: list[RowGrammar] = []
         starting: list[RowGrammar] = []
-        high = 0
         for index, seq, epoch in grammars.rows:
             row = seq.grammar
             slot = row.slot
-            if slot is None or seq.epoch != epoch or row.is_terminated():
+            if slot is None or seq.epoch != epoch:
                 continue  # ended since it was planned (the async loop's placeholder): its sample is discarded
-            lines[slot] = index
-            high = max(high, slot + 1)
-            if row.mask_at == (step, slot):
-                continue
-            start = row.compiled.start_masks.get(row.stop_token_ids) if row.num_accepted == 0 else None
-            if start is not None:
-                table[slot] = start
-                self.times.rows_copied += 1
-            else:
-                stale.append(row)
-                if row.num_accepted == 0:
-                    starting.append(row)
-            row.mask_at = (step, slot)
+            if row.mask_at != (step, slot):
+                if row.is_terminated():
+                    continue  # ended on a stop token, not released yet: its sample is discarded too
+                start = row.compiled.start_masks.get(row.stop_token_ids) if row.num_accepted == 0 else None
+                if start is not None:
+                    table[slot] = start
+                    self.times.rows_copied += 1
+                else:
+                    stale.append(row)
+                    if row.num_accepted == 0:
+                        starting.append(row)
+                row.mask_at = (step, slot)
+            slots.append(slot)
+            indices.append(index)
         if stale:
             self._batch_matcher.batch_fill_next_token_bitmask([row.matcher for row in stale], table,
                                                               [row.slot for row in stale])
             self.times.rows_filled += len(stale)
+        high = max(slots) + 1 if slots else 0
+        lines_view = self._lines_np[which]
+        lines_view[:high] = -1
+        lines_view[slots] = indices
         if high:
             clear_bits_past(table[:high], self._mask_vocab_size)
         for row in starting:
