@@ -27,6 +27,7 @@ class Snapshot:
     prefix_hit_rate: float
     elapsed_s: float
     eta_s: float | None
+    eta_bound_s: float | None = None  # at most this long: the rows' max_tokens at the output rate (progress.py)
     replica_tok_s: list[float] | None = None  # with data parallelism: each replica's output tok/s
 
     def figures(self) -> str:
@@ -34,7 +35,22 @@ class Snapshot:
             " | replicas " + " / ".join(f"{t:,.1f}" for t in self.replica_tok_s) + " tok/s")
         return (f"{self.rows_failed} failed | out {self.output_tok_s:,.1f} tok/s{replicas} | prefill "
                 f"{self.prefill_tok_s:,.1f} tok/s | kv {self.kv_cache_usage:.0%} | prefix hit "
-                f"{self.prefix_hit_rate:.0%} | eta {duration(self.eta_s)}")
+                f"{self.prefix_hit_rate:.0%} | eta {self.eta()}")
+
+    def eta(self) -> str:
+        """'0s' once every row is answered; while rows remain, never '0s' (see `eta_text`)."""
+        return "0s" if self.rows_done >= self.rows_total else eta_text(self.eta_s, self.eta_bound_s)
+
+
+def eta_text(eta_s: float | None, bound_s: float | None) -> str:
+    """The time left while rows remain: '1m10s', '1m10s (<= 4m00s)', or '<= 4m00s' when only the bound is known;
+    under half a second '<1s', since '0s' would say the job is done."""
+    def left(seconds: float | None) -> str:
+        return "<1s" if seconds is not None and seconds < 0.5 else duration(seconds)
+
+    if bound_s is None:
+        return left(eta_s)
+    return f"<= {left(bound_s)}" if eta_s is None else f"{left(eta_s)} (<= {left(bound_s)})"
 
 
 def eta_seconds(rows_left: int, tokens_per_row: float | None, tokens_in_flight: int, tok_s: float) -> float | None:
