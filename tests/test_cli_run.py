@@ -105,6 +105,28 @@ def test_help_and_version():
     assert version.exit_code == 0 and version.stdout.strip().startswith("nanovllm 0.")
 
 
+def test_help_has_no_type_on_flags_and_completion_completes_commands_and_options():
+    for command in ([], ["run"], ["bench"], ["inspect-cache"]):
+        text = invoke(*command, "--help").stdout
+        assert "<bool>" not in text and "--help" in text, command  # a flag takes no value
+    assert "--install-completion" in invoke("--help").stdout
+    for words, word, expected in (("nanovllm ru", 1, "run"), ("nanovllm run in.jsonl --orde", 3, "--ordered"),
+                                  ("nanovllm run in.jsonl --no-enable", 3, "--no-enable-prefix-caching")):
+        completed = CliRunner().invoke(app, [], prog_name="nanovllm", env={
+            "_NANOVLLM_COMPLETE": "complete_bash", "COMP_WORDS": words, "COMP_CWORD": str(word)})
+        assert completed.stdout.split() == [expected], words
+
+
+def test_python_dash_m_nanovllm_runs_the_command_line_and_import_does_not():
+    import subprocess
+    import sys
+
+    version = subprocess.run([sys.executable, "-m", "nanovllm", "--version"], capture_output=True, text=True)
+    assert version.returncode == 0 and version.stdout.startswith("nanovllm 0."), version.stderr
+    probe = "import sys, nanovllm; print('nanovllm_cli' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip() == "False"
+
+
 def test_every_row_form_matches_the_python_api(text_model, expected, tmp_path):
     out = tmp_path / "out.jsonl"
     result = run_rows(text_model, write_jsonl(tmp_path / "in.jsonl", ROWS), out)
