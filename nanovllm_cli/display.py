@@ -181,7 +181,10 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
     if engine is not None:
         rows += engine_rows(engine)
     for replica in summary.get("replicas", ()):
-        where = replica.get("node") or (",".join(replica["devices"]) if replica["devices"] else "CPU")
+        if "node" in replica:  # a --ray engine actor
+            where = replica["node"] or "not started"
+        else:
+            where = ",".join(replica["devices"]) if replica["devices"] else "CPU"
         hit = replica["cached_tokens"] / replica["prompt_tokens"] if replica["prompt_tokens"] else 0.0
         restarts = f", restarted {replica['restarts']}x" if replica.get("restarts") else ""
         rows.append((f"replica {replica['index']} ({where}, pid {replica['pid']})",

@@ -98,19 +98,6 @@ def records_jsonl_datasink(path: str, layout: RecordLayout, **file_datasink_kwar
     return RecordsJsonlDatasink(path, file_format="jsonl", **file_datasink_kwargs)
 
 
-class _RecordList:
-    """The writer `BatchRunner` writes a batch's records to."""
-
-    def __init__(self):
-        self.records: list[dict] = []
-
-    def write(self, record: dict) -> None:
-        self.records.append(record)
-
-    def sync_if_due(self) -> None:
-        pass
-
-
 class LLMProcessor:
     """A callable class for `map_batches`: each actor builds one engine, `LLM(model, **engine_args)`.
 
@@ -137,7 +124,7 @@ class LLMProcessor:
     def __call__(self, batch) -> pa.Table:
         import pyarrow as pa
 
-        from nanovllm_cli.job import BatchRunner, EngineFeeder, RunStats
+        from nanovllm_cli.job import BatchRunner, EngineFeeder, RecordList, RunStats
         from nanovllm_cli.records import RecordBuilder
 
         rows: list[tuple[RowRequest | RowError, str]] = []  # each row parsed, and its fingerprint
@@ -145,7 +132,7 @@ class LLMProcessor:
         for index, row in enumerate(_batch_rows(batch)):
             parsed, fingerprint = self._parse(index, row, anonymous)
             rows.append((parsed, fingerprint))
-        written = _RecordList()
+        written = RecordList()
         builder = RecordBuilder(self.layout, self.llm.info.model, {row.id: fp for row, fp in rows})
         runner = BatchRunner(EngineFeeder(self.llm), written, builder, RunStats(rows_total=len(rows)),
                              window=max(len(rows), 1), reorder=self.reorder, skip_ids=set(), on_step=lambda: None)

@@ -411,9 +411,8 @@ class ReplicaPool:
         else:
             replica.state = "retired"
             action = f"it is not restarted (it died {replica.restarts + 1} times)"
-        rows = (f"of the rows in its engine {suspects} run again, one per replica"
-                + (f", {given_up} in the engine at an earlier death too get error records" if given_up else "")
-                + f"; {len(queued)} queued rows go to the others")
+        rows = (f"rows run again: {suspects} from its engine (one per replica), {len(queued)} queued"
+                + (f"; {given_up} rows in the engine at an earlier death too get error records" if given_up else ""))
         self._event(f"{what}; {rows}; {action}")
         if not self._live():
             self.failure = ReplicaFailed(f"every replica died; the last: {what}" + (

@@ -143,13 +143,14 @@ def run(
     if ray or ray_address is not None or ray_replicas is not None:
         from nanovllm_cli.ray_job import ray_job
 
-        unsupported = {"--resume": resume, "--retry-failed": retry_failed, "--sync": sync,
-                       "--log-interval": log_interval != 10.0, "--ray-address/--ray-replicas without --ray": not ray,
-                       "--data-parallel-size (use --ray-replicas)": engine.data_parallel_size > 1,
-                       "--metrics-file": metrics_file is not None}
+        unsupported = {"--ray-address/--ray-replicas without --ray": not ray,
+                       "--data-parallel-size (use --ray-replicas)": engine.data_parallel_size > 1}
         summary = ray_job(input_path, output, input_format, engine, defaults, seed, unsupported,
                           include_token_ids=include_token_ids, reorder=reorder, window=window,
-                          replicas=ray_replicas or 1, address=ray_address, overwrite=overwrite, quiet=quiet)
+                          replicas=ray_replicas or 1, address=ray_address, overwrite=overwrite, quiet=quiet,
+                          resume=resume or retry_failed or sync, retry_failed=retry_failed, sync=sync,
+                          log_interval=log_interval, metrics_file=metrics_file, metrics_interval=metrics_interval,
+                          max_restarts=max_restarts)
         finish(summary, quiet, json_summary)
     input_path = Path(input_path)
     if not input_path.is_file():
