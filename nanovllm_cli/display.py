@@ -23,6 +23,7 @@ class ReplicaProgress:
     pid: int | None  # its process (a --ray actor's on its node)
     state: str  # "starting" | "ready" | "retired" (died with no restart left)
     rows: int  # rows it answered
+    outstanding: int  # rows it holds, not answered yet
     generated_tokens: int
     tok_s: float  # its generated tokens over the job's elapsed time (the replicas' rates add up to the job's)
     restarts: int = 0

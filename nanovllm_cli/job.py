@@ -125,6 +125,18 @@ class EngineFeeder:
     def idle(self) -> bool:
         return not self.groups and not self.in_flight and not self.suspects
 
+    def withdraw(self, most: int) -> list[list[RowRequest]]:
+        """Give back up to about `most` queued rows: whole prefix groups of which no row entered the engine, the
+        newest first (a replica hands them to an idle one)."""
+        taken: list[PrefixGroup] = []
+        for group in reversed(self.groups):
+            if sum(len(g.requests) for g in taken) >= most:
+                break
+            if group.leader_round is None:
+                taken.append(group)
+        self.groups = [g for g in self.groups if all(g is not t for t in taken)]
+        return [list(group.requests) for group in reversed(taken)]
+
     def step(self) -> list[Finished]:
         before = len(self.in_flight)
         finished = self._admit_suspects() if self.suspects or self.isolating else self._admit()

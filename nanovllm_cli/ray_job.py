@@ -480,10 +480,13 @@ class RayProgress:
         answered = run["rows_ok"] + hand["rows"] - hand["rows_failed"]
         per_row = completion / answered if answered else None
         left = None if per_row is None else max(self.rows_planned - done, 0) * min(per_row, self.job.sampling["max_tokens"])
-        replicas = [ReplicaProgress(s.index, s.info and s.info["pid"], s.state,
-                                    s.totals["rows"] + s.figures.get("part", {}).get("rows", 0),
-                                    s.generated_tokens(), s.generated_tokens() / elapsed, s.restarts)
-                    for s in self.scheduler.slots]
+        replicas = []
+        for s in self.scheduler.slots:
+            part_rows = s.figures.get("part", {}).get("rows", 0) if s.task is not None else 0
+            held = 0 if s.task is None else len(s.task["numbers"]) if "numbers" in s.task else s.task["part"]["count"]
+            replicas.append(ReplicaProgress(s.index, s.info and s.info["pid"], s.state, s.totals["rows"] + part_rows,
+                                            max(held - part_rows, 0), s.generated_tokens(),
+                                            s.generated_tokens() / elapsed, s.restarts))
         busy = [s.figures for s in self.scheduler.slots if s.figures]
         return Snapshot(
             rows_done=self.rows_before + done, rows_total=self.rows_before + self.rows_planned,

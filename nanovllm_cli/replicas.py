@@ -14,7 +14,9 @@ engine runs, fed through a pipe:
   the replica with the fewest outstanding tokens (prompt + max_tokens of its rows not yet answered) among those
   with room (fewer than 2 x max_num_seqs rows outstanding), which bounds memory and keeps every engine fed; a
   prefix seen before goes back to the replica that has it cached while that one is at most one group's tokens
-  busier than the least busy.
+  busier than the least busy. With nothing left to dispatch and an engine with room (a replica that just started,
+  or the job's tail), the replica with the most rows queued gives half of them back (whole prefix groups none of
+  whose rows entered its engine), to be dispatched again.
 - failures: a replica isolates the row that fails a step as one engine does (job.EngineFeeder). A replica that
   dies (killed, crashed, out of memory, or an engine that cannot run any more) does not end the job. It tells
   the parent which rows enter its engine before the step that first runs them; when it dies, its rows not yet in
@@ -103,6 +105,8 @@ def replica_main(model: str | None, engine_args: dict, conn_in: Connection, conn
                         return
                     if message[0] == "groups":
                         feeder.add([PrefixGroup(deque(group)) for group in message[1]])
+                    elif message[0] == "withdraw":
+                        conn_out.send(("withdrawn", [[r.id for r in g] for g in feeder.withdraw(message[1])]))
                     elif message[0] == "call":
                         conn_out.send(("result", message[1](llm, *message[2])))
                     message = _get_nowait(inbox)
@@ -151,6 +155,7 @@ class Replica:
     outstanding_tokens: int = 0
     in_engine: set[str] = field(default_factory=set)  # outstanding ids the replica reported in its engine
     suspect: str | None = None  # the one suspect row it may hold
+    withdrawing: bool = False  # asked to give back queued rows, no answer yet
     restarts: int = 0
     rows: int = 0  # rows answered (or refused) by it
     prompt_tokens: int = 0
@@ -171,7 +176,8 @@ class Replica:
         report = self.report or (self.past_reports[-1] if self.past_reports else None)
         return {"index": self.index, "pid": self.process.pid, "state": self.state, "restarts": self.restarts,
                 "devices": list(self.placement.devices) if self.placement.devices else None,
-                "start_s": self.start_s, "rows": self.rows, "prompt_tokens": self.prompt_tokens,
+                "start_s": self.start_s, "rows": self.rows, "outstanding": len(self.outstanding),
+                "prompt_tokens": self.prompt_tokens,
                 "cached_tokens": self.cached_tokens, "completion_tokens": self.completion_tokens,
                 "generated_tokens": self.generated_tokens(), "engine": report and report["steps"],
                 "kv_cache": report and report["kv_cache"]}
@@ -204,7 +210,6 @@ class ReplicaPool:
         self.on_event = on_event
         self.prompts: PromptTokenizer | None = None
         self.ctx = mp.get_context("spawn")
-        self.created = time.monotonic()
         self.replicas = [Replica(index, p) for index, p in enumerate(placements)]
         self.pending: deque[list[RowRequest]] = deque()  # groups not yet sent to a replica
         self.suspects: deque[RowRequest] = deque()  # rows that were in the engine of a replica that died
@@ -307,6 +312,7 @@ class ReplicaPool:
         self._dispatch()
         finished = self._handle(self._receive(self._live(), WAIT_S))
         self._dispatch()
+        self._rebalance()
         finished += self.convicted
         self.convicted = []
         if self.failure is not None and not finished:
@@ -351,6 +357,8 @@ class ReplicaPool:
                 replica.report = message[2] or replica.report
             elif kind == "admitted":
                 replica.in_engine.update(rid for rid in message[1] if rid in replica.outstanding)
+            elif kind == "withdrawn":
+                self._given_back(replica, message[1])
             elif kind == "ready":
                 self._joined(replica, message)
             elif kind == "failed":  # its engine cannot run any more: the rows of the failed step are the suspects
@@ -402,6 +410,7 @@ class ReplicaPool:
         replica.outstanding_tokens = 0
         replica.in_engine = set()
         replica.suspect = None
+        replica.withdrawing = False
         if replica.report is not None:
             replica.past_reports.append(replica.report)
         if replica.restarts < self.max_restarts:
@@ -468,6 +477,40 @@ class ReplicaPool:
         if len(self.affinity) > AFFINITY_ENTRIES:
             self.affinity.popitem(last=False)
         return choice
+
+    def _rebalance(self) -> None:
+        """With nothing left to dispatch and a replica whose engine has room (one that just started, or the job's
+        tail), ask the replica with the most rows queued (sent, not in its engine) to give half of them back."""
+        if self.pending or self.suspects:
+            return
+        ready = [r for r in self.replicas if r.state == "ready"]
+        if not any(len(r.outstanding) < self.chunk for r in ready) or any(r.withdrawing for r in ready):
+            return
+        donors = [r for r in ready if len(r.outstanding) >= self.chunk and len(r.outstanding) - len(r.in_engine) >= 2]
+        if donors:
+            donor = max(donors, key=lambda r: len(r.outstanding) - len(r.in_engine))
+            donor.withdrawing = True
+            with contextlib.suppress(OSError):  # a dead replica: its sentinel tells
+                donor.send_end.send(("withdraw", (len(donor.outstanding) - len(donor.in_engine)) // 2))
+
+    def _given_back(self, replica: Replica, groups: list[list[str]]) -> None:
+        """Rows a replica gave back (none entered its engine): queued again, first in line."""
+        replica.withdrawing = False
+        back: list[list[RowRequest]] = []
+        for ids in groups:
+            group = []
+            for rid in ids:
+                request, _ = self.requests.pop(rid)
+                replica.outstanding_tokens -= replica.outstanding.pop(rid)
+                if replica.suspect == rid:
+                    replica.suspect = None
+                if rid in self.strikes:
+                    self.suspects.appendleft(request)
+                else:
+                    group.append(request)
+            if group:
+                back.append(group)
+        self.pending.extendleft(reversed(back))
 
     def _send(self, replica: Replica, group: list[RowRequest]) -> None:
         for request in group:

@@ -324,7 +324,7 @@ def snapshot(stats: RunStats, source: LLM | ReplicaPool, runner: BatchRunner, ma
     generated = report["tokens"]["generated"]
     rows_done = stats.rows_done + stats.rows_skipped
     left = runner.output_tokens_left(stats.completion_tokens / stats.rows_ok, max_tokens) if stats.rows_ok else None
-    replicas = [ReplicaProgress(r["index"], r["pid"], r["state"], r["rows"], r["generated_tokens"],
+    replicas = [ReplicaProgress(r["index"], r["pid"], r["state"], r["rows"], r["outstanding"], r["generated_tokens"],
                                 r["generated_tokens"] / elapsed, r["restarts"]) for r in report.get("replicas", ())]
     return Snapshot(
         rows_done=rows_done, rows_total=stats.rows_total, rows_failed=stats.rows_failed,

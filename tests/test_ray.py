@@ -413,20 +413,21 @@ def test_a_killed_engine_actor_and_a_killed_engine_cost_no_row(cluster, tmp_path
     killed = {}
 
     def ready_actor(most_done, exclude=None):
-        """The first line of the metrics file showing a ready actor (not `exclude`) with at most `most_done` rows
-        done in all."""
+        """The first line of the metrics file showing a ready actor holding rows (not `exclude`), with at most
+        `most_done` rows done in all."""
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             lines = metrics.read_text().splitlines() if metrics.exists() else []
             last = json.loads(lines[-1]) if lines else {"replicas": [], "rows_done": 0}
             for replica in last["replicas"]:
-                if replica["state"] == "ready" and replica["pid"] != exclude and last["rows_done"] <= most_done:
+                if (replica["state"] == "ready" and replica["outstanding"] and replica["pid"] != exclude
+                        and last["rows_done"] <= most_done):
                     return replica
             time.sleep(0.05)
         return None
 
     def kill_two():
-        actor = ready_actor(20)  # it holds a part: a ready actor takes one while parts are left
+        actor = ready_actor(20)
         if actor is None:
             return
         os.kill(actor["pid"], signal.SIGKILL)
