@@ -76,7 +76,7 @@ class EngineActor:
         import fsspec
 
         from nanovllm_cli.job import BatchRunner, RecordList, RunStats
-        from nanovllm_cli.ray_job import part_values
+        from nanovllm_cli.ray_inputs import part_values
         from nanovllm_cli.records import RecordBuilder
         from nanovllm_cli.rows import RowParser, row_fingerprint
         from nanovllm_cli.shards import MANIFEST_VERSION, ShardFolder

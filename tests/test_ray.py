@@ -26,7 +26,7 @@ import ray  # noqa: E402
 import ray.data  # noqa: E402
 from test_cli_run import invoke, write_jsonl, write_parquet  # noqa: E402
 
-from nanovllm_cli.ray_job import InputPart, file_parts, list_input_files, merge_parts, part_values  # noqa: E402
+from nanovllm_cli.ray_inputs import InputPart, file_parts, list_input_files, merge_parts, part_values  # noqa: E402
 from nanovllm_cli.ray_processor import LLMProcessor, _batch_rows  # noqa: E402
 from nanovllm_cli.readers import iter_rows  # noqa: E402
 from nanovllm_cli.records import PLAIN_FIELDS  # noqa: E402
