@@ -1,12 +1,13 @@
 """Data parallelism on one host, end to end: job time (start-up included) of `nanovllm run` at DP=1 and DP=N on a
-uniform and a ShareGPT-like workload, the start-up of N replicas against one engine's, DP=N/2 x TP=2, and a job
-whose replica is killed mid-job (it must finish, every row once; its throughput against the clean run's).
+uniform and a ShareGPT-like workload, the start-up of N replicas against one engine's (after a warm-up job, so
+compile caches are warm for both), DP=N/2 x TP=2, and a job whose busiest replica is killed mid-job (it must
+finish, every row once; its job time and throughput against the clean run's).
 
 Rows are random token ids (no download, no tokenizer work) with `max_tokens` per row and EOS ignored, so every
 run generates the same tokens. Each run is a `nanovllm run` process: its wall clock is the job time with start-up;
 its `--json` summary gives the job's own clock (`elapsed_s`, from the first replica ready), output tok/s and each
-replica's start; start-up = wall - elapsed. Writes OUT/dp_scale.json (and each run's rows, records, summary,
-metrics and stderr under OUT) and prints it.
+replica's start; start-up = wall - elapsed. Writes OUT/dp_scale.json (and each run's summary, metrics and stderr
+under OUT; rows and records under --work) and prints it.
 
     python scripts/dp_scale.py --out "$OUT"                    # 4 GPUs, qwen3-0.6b (dummy weights), 8,000 rows
     python scripts/dp_scale.py --out /tmp/dp --device cpu --model tiny-qwen3 --gpus 2 --rows 300 --max-tokens 24 \
@@ -30,10 +31,10 @@ from nanovllm_cli.bench_workload import SHAREGPT_LIKE, synthetic_workload, unifo
 
 
 def write_rows(path: Path, workload: str, rows: int, vocab: int, max_tokens: int | None) -> Path:
-    """uniform: prompts of 100-1024 tokens, outputs of `max_tokens`; sharegpt: both sides ShareGPT-like (capped at
-    `max_tokens` where given)."""
+    """uniform: prompts of 100-512 tokens, outputs of `max_tokens`; sharegpt: both sides ShareGPT-like, outputs
+    capped at `max_tokens`."""
     if workload == "uniform":
-        work = synthetic_workload(rows, uniform(100, 1024), uniform(max_tokens, max_tokens), vocab, seed=0)
+        work = synthetic_workload(rows, uniform(100, 512), uniform(max_tokens, max_tokens), vocab, seed=0)
     else:
         work = synthetic_workload(rows, SHAREGPT_LIKE, SHAREGPT_LIKE, vocab, seed=0)
     with open(path, "w") as f:
@@ -43,10 +44,12 @@ def write_rows(path: Path, workload: str, rows: int, vocab: int, max_tokens: int
     return path
 
 
-def run(out: Path, label: str, rows: Path, engine: list[str], dp: int, tp: int, kill_at: float | None = None) -> dict:
-    """One `nanovllm run`; with `kill_at`, a replica is killed (SIGKILL) once that share of the rows is done."""
+def run(out: Path, work: Path, label: str, rows: Path, engine: list[str], dp: int, tp: int,
+        kill_at: float | None = None) -> dict:
+    """One `nanovllm run` (records under `work`, the rest under `out`); with `kill_at`, the replica holding the most
+    rows is killed (SIGKILL) once that share of the rows is done."""
     nanovllm = shutil.which("nanovllm") or str(Path(sys.executable).parent / "nanovllm")
-    results, metrics = out / f"{label}.results.jsonl", out / f"{label}.metrics.jsonl"
+    results, metrics = work / f"{label}.results.jsonl", out / f"{label}.metrics.jsonl"
     command = [nanovllm, "run", str(rows), "-o", str(results), "--overwrite", "--json", "-q", "--window", "4096",
                "--data-parallel-size", str(dp), "--tensor-parallel-size", str(tp), "--metrics-file", str(metrics),
                "--metrics-interval", "0.5", *engine]
@@ -81,7 +84,8 @@ def run(out: Path, label: str, rows: Path, engine: list[str], dp: int, tp: int, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True, help="the report, summaries, metrics and logs")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/nanovllm-dp-scale"), help="rows and records")
     parser.add_argument("--model", default="qwen3-0.6b")
     parser.add_argument("--gpus", type=int, default=4, help="N: the DP=N runs (and DP=N/2 x TP=2)")
     parser.add_argument("--rows", type=int, default=8000)
@@ -90,17 +94,20 @@ def main() -> None:
     parser.add_argument("--device", default=None)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    args.work.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     vocab = json.loads((ROOT / "core" / "presets" / f"{args.model}.json").read_text())["vocab_size"]
     engine = ["--model", args.model, "--load-format", "dummy"] + (["--device", args.device] if args.device else [])
     n = args.gpus
     report: dict = {"model": args.model, "gpus": n, "rows": args.rows, "max_tokens": args.max_tokens, "runs": []}
+    # One small job first, so that every measured start finds the compile caches (Triton) warm.
+    run(args.out, args.work, "warmup", write_rows(args.work / "warmup.jsonl", "uniform", 32, vocab, 8), engine, 1, 1)
     clean = {}
     for workload in ("uniform", "sharegpt"):
-        rows = write_rows(args.out / f"{workload}.jsonl", workload, args.rows, vocab,
+        rows = write_rows(args.work / f"{workload}.jsonl", workload, args.rows, vocab,
                           args.max_tokens if workload == "uniform" else args.sharegpt_cap)
-        one = run(args.out, f"{workload}-dp1", rows, engine, 1, 1)
-        many = clean[workload] = run(args.out, f"{workload}-dp{n}", rows, engine, n, 1)
+        one = run(args.out, args.work, f"{workload}-dp1", rows, engine, 1, 1)
+        many = clean[workload] = run(args.out, args.work, f"{workload}-dp{n}", rows, engine, n, 1)
         report["runs"] += [one, many]
         # start_s: to the first replica ready (the job starts then); all replicas: the parent's part, then the
         # slowest replica's start
@@ -110,11 +117,11 @@ def main() -> None:
                             "start_ratio": many["start_s"] / one["start_s"],
                             "start_ratio_all_replicas": all_ready / one["start_s"]}
         if workload == "uniform" and n >= 4:
-            mixed = run(args.out, f"{workload}-dp{n // 2}-tp2", rows, engine, n // 2, 2)
+            mixed = run(args.out, args.work, f"{workload}-dp{n // 2}-tp2", rows, engine, n // 2, 2)
             report["runs"].append(mixed)
             report[workload]["dp_tp_vs_dp"] = mixed["output_tok_s"] / many["output_tok_s"]
         print(json.dumps(report[workload]), file=sys.stderr, flush=True)
-    killed = run(args.out, f"uniform-dp{n}-killed", args.out / "uniform.jsonl", engine, n, 1, kill_at=0.3)
+    killed = run(args.out, args.work, f"uniform-dp{n}-killed", args.work / "uniform.jsonl", engine, n, 1, kill_at=0.3)
     report["runs"].append(killed)
     report["uniform"]["killed_replica"] = {
         "finished": killed["every_row_once"], "killed": killed["killed"], "retries": killed["retries"],
