@@ -8,7 +8,8 @@
   queue under a new key, unless its manifest was committed before the death (then the task is done). With no
   slot left the job fails (`JobFailed`, exit 3), naming the last death.
 - An actor that fails to start (OUTPUT not writable from its node, the model missing there, an engine that
-  cannot load) ends the job at once: a setting is wrong, and every other actor would fail alike.
+  cannot load) before any has started ends the job at once: a setting is likely wrong, and every other actor
+  would fail alike. Once one has started, such a failure is the node's: the actor is replaced as if it died.
 - Progress: every PROGRESS_S each busy actor's figures (its part's rows, tokens generated, its engine's deaths and
   restarts, whose notices are passed on).
 """
@@ -103,6 +104,7 @@ class RayScheduler:
         self.rows_rerun = 0
         self.events: list[str] = []
         self.asked = 0.0
+        self.started = False  # an actor has started: a later one that cannot start is replaced, not fatal
 
     def run(self) -> list[dict]:
         import ray
@@ -154,12 +156,13 @@ class RayScheduler:
                 self._died(slot, f"died: {actor_death(exc)}")
                 continue
             except ray.exceptions.RayTaskError as exc:
-                if kind == "start":
+                if kind == "start" and not self.started:
                     raise JobFailed(f"engine actor {slot.index} could not start: {cause(exc)}") from None
-                self._died(slot, f"failed: {cause(exc)}")
+                self._died(slot, f"{'could not start' if kind == 'start' else 'failed'}: {cause(exc)}")
                 continue
             if kind == "start":
                 slot.state, slot.info = "ready", value
+                self.started = True
             else:
                 self._done(slot, value)
 
