@@ -6,12 +6,15 @@ from dataclasses import dataclass
 import torch
 
 from nanovllm.attention.kv_quant import KV_CACHE_DTYPES, resolve_kv_cache_dtype
+from nanovllm.pooling_params import POOLING_TASKS
 from nanovllm.sampling_params import is_int64
 
 _DTYPES = {"auto", "float32", "float16", "bfloat16"}
 _LOAD_FORMATS = {"auto", "dummy"}
 _ATTENTION_BACKENDS = {None, "torch", "triton", "flash-attn"}
 _QUANTIZATIONS = {None, "fp8"}
+MAX_LORA_RANK = 256
+RUNNERS = ("auto", "generate", "pooling")
 
 
 @dataclass
@@ -40,6 +43,15 @@ class EngineConfig:
     fused_ops: bool = True  # on CUDA: RMSNorm, q/k norm + rotary, SiLU-and-mul, decode-sized GEMMs as Triton kernels
     device: str | None = None
     seed: int = 0
+    # Multi-LoRA (nanovllm.lora): requests may name adapters; `max_loras` of them are resident at once on the
+    # device, each of rank up to `max_lora_rank`.
+    enable_lora: bool = False
+    max_loras: int = 8
+    max_lora_rank: int = 16
+    # Generate or pool (pooling/task.py): "auto" decides from the checkpoint; `task` (embed, classify, score,
+    # reward) names a pooling model's default task, and makes a causal LM an embedder.
+    runner: str = "auto"
+    task: str | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:
@@ -84,6 +96,12 @@ class EngineConfig:
         check(self.revision is None or (isinstance(self.revision, str) and self.revision != ""), "revision",
               "must be a non-empty branch, tag or commit name")
         check(isinstance(self.fused_ops, bool), "fused_ops", "must be True or False")
+        check(isinstance(self.enable_lora, bool), "enable_lora", "must be True or False")
+        positive_int("max_loras")
+        positive_int("max_lora_rank")
+        check(self.max_lora_rank <= MAX_LORA_RANK, "max_lora_rank", f"must be at most {MAX_LORA_RANK}")
+        check(self.runner in RUNNERS, "runner", f"must be one of {', '.join(RUNNERS)}")
+        check(self.task is None or self.task in POOLING_TASKS, "task", f"must be one of {', '.join(POOLING_TASKS)}")
 
     def resolve_device(self) -> torch.device:
         if self.device == "cuda" and not torch.cuda.is_available():

@@ -42,7 +42,10 @@ def max_blocks_held(windows: Sequence[int | None], num_tokens: int, block_size: 
 
 def plan_kv_groups(layer_windows: Sequence[int | None]) -> KVGroups:
     """Group layers by window: one group when all layers attend alike; otherwise the widest equal width that
-    leaves at most 10 % of the slots empty (fewer groups: fewer tables per sequence)."""
+    leaves at most 10 % of the slots empty (fewer groups: fewer tables per sequence). A model without attention
+    layers (an encoder, which keeps no KV) has one empty group."""
+    if not layer_windows:
+        return KVGroups((None,), 0, ())
     kinds: dict[int | None, list[int]] = {}
     for layer, window in enumerate(layer_windows):
         kinds.setdefault(window, []).append(layer)

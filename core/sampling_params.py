@@ -3,6 +3,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from nanovllm.quoting import quoted
 from nanovllm.structured.params import StructuredOutputsParams
 
 _INT64 = (-(1 << 63), (1 << 63) - 1)
@@ -87,7 +88,7 @@ class SamplingParams:
         for name in ("stop", "stop_token_ids"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, (list, tuple)):
-                raise ValueError(f"SamplingParams.{name}={value!r}: must be a list")
+                raise ValueError(f"SamplingParams.{name}={quoted(value)}: must be a list")
             setattr(self, name, list(value or []))
         self.validate()
 
@@ -95,7 +96,7 @@ class SamplingParams:
         """Every field of a type and range the engine can hold (int64 integers, finite float32 numbers): a
         request that passes cannot fail inside a step."""
         def bad(name: str, why: str) -> ValueError:
-            return ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
+            return ValueError(f"SamplingParams.{name}={quoted(getattr(self, name))}: {why}")
 
         if not _is_float32(self.temperature) or self.temperature < 0:
             raise bad("temperature", "must be a finite number >= 0")

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from nanovllm.layers.logprobs import TokenLogprobs
+from nanovllm.pooling_params import RowPooling
 from nanovllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -29,6 +30,9 @@ class ScheduledSequence(Protocol):
     params: SamplingParams
     sampling_seed: int
     bad_words_token_ids: list[list[int]] | None
+    lora_slot: int  # the device slot of its LoRA adapter, -1 for the base model
+    pooling: RowPooling | None  # a pooling row's rule (a pooling engine's rows all have one)
+    token_type_ids: list[int] | None  # a pair input's token types (BERT), else None
 
     @property
     def token_ids(self) -> SequenceABC[int]: ...
@@ -58,7 +62,8 @@ class ScheduledBatch:
     drops its per-sequence state of them). `grammars[i]` is the structured-output matcher of the sequence at
     index `grammar_rows[i]`, for each constrained sequence that samples in this step (empty lists: none); the
     runner masks those logits rows from them. It only reads them, once the scheduler has advanced them by every
-    earlier step's token (docs/STRUCTURED_OUTPUTS.md)."""
+    earlier step's token (docs/STRUCTURED_OUTPUTS.md). `lora_loads`: (slot, LoRARequest) adapters the runner
+    writes into their device slots before this step, in order (lora/manager.py)."""
 
     seqs: list[ScheduledSequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
@@ -72,6 +77,7 @@ class ScheduledBatch:
     released_seq_ids: list[int] = field(default_factory=list)
     grammar_rows: list[int] = field(default_factory=list)
     grammars: list[RowGrammar] = field(default_factory=list)
+    lora_loads: list[tuple[int, Any]] = field(default_factory=list)
 
     def add_chunk(self, seq: ScheduledSequence, num_new_tokens: int, start: int, samples: bool) -> None:
         """`num_new_tokens` of `seq` from position `start`; past its known tokens, the last input is pending."""
@@ -132,10 +138,25 @@ class StepLogprobs:
 
 
 @dataclass
+class PooledOutputs:
+    """A pooling step's outputs, for the rows whose last chunk it computed: batch index `batch_indices[i]`'s
+    output is `values[offsets[i]:offsets[i + 1]]` (float32; in pinned host memory on CUDA, valid once the step's
+    `ready` event has passed)."""
+
+    batch_indices: list[int]
+    offsets: list[int]
+    values: torch.Tensor
+
+    def by_batch_index(self) -> dict[int, torch.Tensor]:
+        return {index: self.values[self.offsets[i]:self.offsets[i + 1]] for i, index in enumerate(self.batch_indices)}
+
+
+@dataclass
 class StepHandle:
     """A launched step: sampled ids on the device, their pinned host copy, timing events, the copy's event, and
     the number of the step-buffer upload the step read; `logprobs` when some row asked (copied to the host
-    behind the same event). The host side only hands it back to `StepRunner.wait` and reads `logprobs` after."""
+    behind the same event). The host side only hands it back to `StepRunner.wait` and reads `logprobs` after.
+    A pooling engine's step samples nothing: `pooled` holds its outputs (None when no row ended in it)."""
 
     sampled: torch.Tensor
     host: torch.Tensor | None
@@ -144,6 +165,7 @@ class StepHandle:
     upload: int
     logprobs: StepLogprobs | None = None
     graph: bool = False  # the forward replayed a CUDA graph (else it ran eagerly)
+    pooled: PooledOutputs | None = None
 
 
 class StepRunner(Protocol):
@@ -151,7 +173,8 @@ class StepRunner(Protocol):
     `prepare` turns a batch into device inputs; `execute` launches the whole step; a step with constrained rows is
     launched in two halves, `launch_forward` then `launch_sample` with the masks `fill_masks` made in between;
     `wait` blocks until a step's sampled ids are on the host and returns them with its device time (None on the
-    CPU). Inputs, launched forwards and masks are the runner's own types: the host side only passes them back."""
+    CPU); a pooling engine's `wait` returns the step's `PooledOutputs` (or None) instead of sampled ids. Inputs,
+    launched forwards and masks are the runner's own types: the host side only passes them back."""
 
     def prepare(self, batch: ScheduledBatch) -> Any: ...
 
@@ -163,4 +186,4 @@ class StepRunner(Protocol):
 
     def launch_sample(self, forward: Any, masks: Any) -> StepHandle: ...
 
-    def wait(self, handle: StepHandle) -> tuple[list[int], float | None]: ...
+    def wait(self, handle: StepHandle) -> tuple[list[int] | PooledOutputs | None, float | None]: ...

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import tempfile
 from pathlib import Path
 from typing import Annotated
 
@@ -240,6 +241,10 @@ def bench(
         help="Draw throughput over time, batch occupancy and step time by kind into FILE.png or FILE.html, and "
              "write the report beside it as FILE.json (needs the `plot` extra: matplotlib).", dir_okay=False)] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
+    lora: Annotated[int, typer.Option(
+        help="N > 0: N random LoRA adapters of --lora-rank spread over the rows, then the same rows on the base "
+             "model, in one engine, and compare.", rich_help_panel=MODES)] = 0,
+    lora_rank: Annotated[int, typer.Option(help="The rank of --lora's adapters.", rich_help_panel=MODES)] = 16,
     *,
     engine: EngineOptions,
 ) -> None:
@@ -247,7 +252,8 @@ def bench(
     [100, 1024], EOS ignored, greedy (or the sampling options); `--dataset-name sharegpt` for ShareGPT-like
     lengths, `--input-len`/`--output-len` (vLLM's form) or `--input-dist`/`--output-dist` for others. `--compare`
     runs both step loops on one engine, `--rounds N` repeats; `--data-parallel-size N` spreads the workload over N
-    replicas as `run` does; `--json` for machines."""
+    replicas as `run` does; `--json` for machines. `--task embed|classify|score|reward` measures a pooling model
+    instead (bench_pooling.py): rows/s and tokens/s against its prefill roofline, on uniform prompt lengths."""
     import torch
     from rich.console import Console
 
@@ -276,6 +282,14 @@ def bench(
     num_rows = default_rows if num_prompts is None else num_prompts
     if num_rows < 1:
         raise o.fail(f"--num-prompts must be at least 1, not {num_rows}")
+    if engine.task is not None:
+        from nanovllm_cli.bench_pooling import pooling_bench
+
+        if input_lengths.kind != "uniform":
+            raise o.fail("--task takes its prompt lengths uniform: --input-len-range LO HI, or --input-len N "
+                         "(--random-range-ratio R)")
+        lo, hi = (int(v) for v in input_lengths.params)
+        return pooling_bench(engine, num_rows, (lo, hi), seed, warmup, json_output)
     if sum((sampling_matrix, structured_matrix, structured is not None)) > 1:
         raise o.fail("--sampling-matrix, --structured-matrix and --structured are separate runs: keep one")
     matrix = sampling_matrix or structured_matrix
@@ -299,6 +313,15 @@ def bench(
     replicated = engine.data_parallel_size > 1
     if replicated and (constraint is not None or matrix):
         raise o.fail("the structured run and the matrices measure one engine: drop --data-parallel-size")
+    adapter_dir = None
+    if lora:
+        from nanovllm_cli.bench_lora import lora_engine
+
+        if lora < 0 or lora_rank < 1 or replicated or constraint is not None or matrix or plot is not None:
+            raise o.fail("--lora N needs N >= 1 and --lora-rank >= 1, on one engine without --structured, a matrix "
+                         "or --plot")
+        engine = lora_engine(engine, lora_rank)
+        adapter_dir = tempfile.TemporaryDirectory(prefix="nanovllm-bench-lora-")
     if plot is not None:
         if matrix or constraint is not None:
             raise o.fail("--plot draws the steps of a plain run: drop --sampling-matrix, --structured-matrix or "
@@ -356,6 +379,16 @@ def bench(
                     run_workload(llm, Workload(workload.prompts[:16], [8] * 16), f"{label} warm-up", False,
                                  {**sampling, "structured_outputs": constraint})  # the mask's buffers and kernel
                 report["modes"][label] = structured_pair(llm, workload, sampling, constraint, label, show)
+        elif lora:
+            from nanovllm_cli.bench_lora import lora_pair, random_adapters
+
+            adapters = random_adapters(llm, lora, lora_rank, seed, Path(adapter_dir.name))
+            report["lora"] = {"adapters": lora, "rank": lora_rank, "max_loras": info.max_loras}
+            report["modes"] = {}
+            for overlap in ([False, True] if compare else [engine.async_scheduling]):
+                label = "async" if overlap else "sync"
+                llm.set_async_scheduling(overlap)
+                report["modes"][label] = lora_pair(llm, workload, sampling, adapters, label, show, warmup_seed)
         else:
             if info.device.startswith("cuda") and not replicated:  # the parent of replicas has no device
                 ceilings = measure_ceilings(torch.device(info.device))
@@ -371,6 +404,8 @@ def bench(
                 report["async_over_sync"] = async_over_sync
     finally:
         llm.exit()
+        if adapter_dir is not None:
+            adapter_dir.cleanup()
 
     report.update({
         "device": ceilings.name if ceilings else info.device,
@@ -408,6 +443,8 @@ def bench(
                      out)
     elif constraint is not None:
         print_structured_report(report, out)
+    elif lora:
+        print_lora_report(report, out)
     else:
         print_report(report, out)
 
@@ -455,6 +492,25 @@ def print_structured_report(report: dict, console) -> None:
     compile_s = report["structured"]["compile"]
     console.print(f"compile: tokenizer tables {compile_s['tokenizer_info_s']:.3f} s (once per engine), schema cold "
                   f"{compile_s['cold_s']:.3f} s, cached {compile_s['cached_s'] * 1e3:.3f} ms")
+
+
+def print_lora_report(report: dict, console) -> None:
+    from rich.table import Table
+
+    settings = report["lora"]
+    table = Table(title=f"nanovllm bench --lora {settings['adapters']} (rank {settings['rank']}, "
+                        f"{settings['max_loras']} slots) — {report['model']} on {report['device']}")
+    table.add_column("metric")
+    modes = report["modes"]
+    for name in modes:
+        table.add_column(f"{name} lora", justify="right")
+        table.add_column(f"{name} base", justify="right")
+    for row in ("requests", "output_tokens", "steps", "wall_s", "output_tok_s", "total_tok_s", "gpu_busy_frac",
+                "host_ms_per_decode_step", "tpot_p50_s", "rows_failed"):
+        table.add_row(row, *(_fmt(pair[side].get(row)) for pair in modes.values() for side in ("lora", "base")))
+    console.print(table)
+    for name, pair in modes.items():
+        console.print(f"{name}: lora / base output throughput {pair['lora_over_base']:.3f}x")
 
 
 def print_report(report: dict, console) -> None:

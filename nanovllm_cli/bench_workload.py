@@ -189,11 +189,11 @@ def warmup_workload(llm, seed: int) -> Workload:
 
 
 def run_workload(llm, workload: Workload, label: str, show_progress: bool,
-                 sampling: dict | list[dict] | None = None) -> tuple[dict, list]:
+                 sampling: dict | list[dict] | None = None, lora_requests: list | None = None) -> tuple[dict, list]:
     """Every request of `workload` (EOS ignored) with the `sampling` settings (SamplingParams fields, a
-    structured-output constraint included; one dict for every row or a list of one per row; greedy by default).
-    Returns the engine's step stats with the batch's occupancy at the engine's max_num_seqs, and the outputs in
-    workload order."""
+    structured-output constraint included; one dict for every row or a list of one per row; greedy by default),
+    each row on the LoRA adapter `lora_requests` gives it (None: the base model). Returns the engine's step stats
+    with the batch's occupancy at the engine's max_num_seqs, and the outputs in workload order."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from nanovllm import SamplingParams
@@ -201,9 +201,11 @@ def run_workload(llm, workload: Workload, label: str, show_progress: bool,
     llm.reset_prefix_cache()
     llm.reset_stats()
     per_row = sampling if isinstance(sampling, list) else [sampling or {}] * len(workload.prompts)
+    adapters = [{"lora_request": r} for r in lora_requests] if lora_requests else [{}] * len(workload.prompts)
     request_ids = [llm.add_request(prompt, SamplingParams(**{"temperature": 0, **settings}, max_tokens=max_tokens,
-                                                          ignore_eos=True))
-                   for prompt, max_tokens, settings in zip(workload.prompts, workload.output_lens, per_row)]
+                                                          ignore_eos=True), **adapter)
+                   for prompt, max_tokens, settings, adapter in zip(workload.prompts, workload.output_lens, per_row,
+                                                                    adapters)]
     outputs = {}
     with Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   disable=not show_progress, transient=True) as progress:

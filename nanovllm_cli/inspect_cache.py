@@ -12,7 +12,7 @@ from nanovllm_cli.options import EngineOptions, with_engine_options
 
 
 @with_engine_options("model", "revision", "block_size", "kv_cache_gib", "gpu_memory_utilization", "dtype",
-                     "kv_cache_dtype", "device", "max_model_len")
+                     "kv_cache_dtype", "device", "max_model_len", "chat_template")
 def inspect_cache(
     input_path: Annotated[Path, typer.Argument(
         metavar="INPUT", help="Rows, as for `run`: .jsonl or .parquet.", exists=True, dir_okay=False,
@@ -50,6 +50,7 @@ def inspect_cache(
         raise o.fail(str(exc)) from None
 
     prompts, limit = plan.prompts, plan.max_model_len
+    o.use_chat_template(engine, prompts)
     memory = {"block_size": plan.block_size, "kv_cache_dtype": plan.kv_cache_dtype, "dtype_bytes": plan.dtype_bytes,
               "bytes_per_block": plan.bytes_per_block,
               "num_blocks": plan.num_blocks, "num_blocks_source": plan.num_blocks_source,

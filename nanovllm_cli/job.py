@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import NoReturn, Protocol
 
-from nanovllm import LLM, PromptTokenizer, RequestOutput, StepFailedError
+from nanovllm import LLM, PromptTokenizer, RequestOutput, SamplingParams, StepFailedError
 from nanovllm_cli.admission import PrefixGroup, admission_groups
 from nanovllm_cli.records import RecordBuilder
 from nanovllm_cli.rows import RowError, RowRequest
@@ -211,8 +211,14 @@ class EngineFeeder:
 
     def _submit(self, request: RowRequest, refused: list[Finished]) -> bool:
         try:
-            self.llm.add_request(None, request.params, request_id=request.id, prompt_token_ids=request.token_ids)
-        except ValueError as exc:  # too long for max_model_len or for the whole KV cache
+            if isinstance(request.payload, tuple):  # a score row (pooling_rows.py): a query and its documents
+                self.llm.add_score_request(*request.payload, request_id=request.id, params=request.params)
+            elif request.choices is not None:  # a row whose choices are scored (choices.py)
+                self.llm.add_choices_request(None, request.choices, request.id, prompt_token_ids=request.token_ids)
+            else:
+                self.llm.add_request(None, request.params, request_id=request.id, prompt_token_ids=request.token_ids,
+                                     lora_request=request.lora_request)
+        except ValueError as exc:  # too long for max_model_len or for the whole KV cache, or an unusable adapter
             refused.append((request, RowFailure(str(exc), 400)))
             return False
         self.in_flight[request.id] = request
@@ -270,13 +276,15 @@ class BatchRunner:
                 finished = self.engine.step()
             except EngineFailure as failure:
                 for request in failure.requests:
-                    self._write_error(RowError(request.id, request.where, failure.problem, request.endpoint),
+                    self._write_error(RowError(request.id, request.where, failure.problem, request.endpoint,
+                                               request.extra),
                                       len(request.token_ids), status_code=500)
                 raise EngineStepError(str(failure)) from failure
             for request, result in finished:
                 self.open.pop(request.id, None)
                 if isinstance(result, RowFailure):
-                    self._write_error(RowError(request.id, request.where, result.message, request.endpoint),
+                    self._write_error(RowError(request.id, request.where, result.message, request.endpoint,
+                                               request.extra),
                                       len(request.token_ids), result.status_code)
                 else:
                     self._write_result(request, result)
@@ -293,7 +301,7 @@ class BatchRunner:
                 continue
             if row.id in self.seen:
                 self._write_error(RowError(row.id, row.where, f"duplicate id {row.id!r}: an earlier row has it",
-                                           row.endpoint))
+                                           row.endpoint, row.extra))
                 continue
             self.seen.add(row.id)
             if isinstance(row, RowRequest):
@@ -302,15 +310,18 @@ class BatchRunner:
                 self._write_error(row)
                 continue
             requests.append(row)
-            self.open[row.id] = row.params.max_tokens
+            self.open[row.id] = row.params.max_tokens if isinstance(row.params, SamplingParams) else 0  # pooling: 0
             if len(requests) == self.window:
                 return requests, False
         return requests, True
 
     def _write_result(self, request: RowRequest, output: RequestOutput) -> None:
-        self.writer.write(self.records.result(request, output))
+        record = self.records.result(request, output)
+        self.writer.write(record)
         if output.error:
             self._count_failure(f"{request.where}: {output.error}")
+        elif record["error"] is not None:  # a result OUTPUT cannot hold (pooling_records.py)
+            self._count_failure(record["error"])
         else:
             self.stats.add_result(output)
 

@@ -7,15 +7,17 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from enum import IntEnum
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, get_type_hints
 
 import typer
 
 if TYPE_CHECKING:
-    from nanovllm import LLM
+    from nanovllm import LLM, PromptTokenizer
 
 ENGINE = "Engine"
 SAMPLING = "Sampling defaults (a row's own fields win)"
+POOLING = "Pooling defaults (a row's own fields win)"
 
 
 class ExitCode(IntEnum):
@@ -81,6 +83,42 @@ class EngineOptions:
         help="cpu | cuda (default: cuda when available).", rich_help_panel=ENGINE)] = None
     attention_backend: Annotated[str | None, typer.Option(
         help="torch | triton | flash-attn (default: the best available).", rich_help_panel=ENGINE)] = None
+    lora_modules: Annotated[list[str] | None, typer.Option(
+        help="A LoRA adapter the rows may name, as NAME=PATH (a PEFT adapter folder or Hub id); repeat the option "
+        "for several. A row names its adapter in its `lora` field, an OpenAI line in body.model.",
+        rich_help_panel=ENGINE)] = None
+    enable_lora: Annotated[bool, typer.Option(
+        "--enable-lora", help="Engine support for LoRA adapters (implied by --lora-modules).",
+        rich_help_panel=ENGINE)] = False
+    max_loras: Annotated[int | None, typer.Option(
+        help="LoRA adapters resident on the device at once (default 8); rows of others wait for a slot.",
+        rich_help_panel=ENGINE)] = None
+    max_lora_rank: Annotated[int | None, typer.Option(
+        help="Highest LoRA rank an adapter may have (default 16; at most 256).", rich_help_panel=ENGINE)] = None
+    task: Annotated[str | None, typer.Option(
+        help="embed | classify | score | reward: the pooling task (embeddings, label probabilities, pair scores, "
+        "rewards) instead of generating; a causal LM embeds with its decoder. Default: the checkpoint's own (an "
+        "embedding or classification checkpoint pools, a causal LM generates).", rich_help_panel=ENGINE)] = None
+    chat_template: Annotated[str | None, typer.Option(
+        "--chat-template", metavar="FILE", help="A Jinja chat template for 'messages' rows instead of the model's "
+        "(a row cannot bring one).", rich_help_panel=ENGINE)] = None
+
+    def chat_template_text(self) -> str | None:
+        """The text of the --chat-template file, or None; ValueError naming the file when it cannot be used."""
+        if self.chat_template is None:
+            return None
+        path = Path(self.chat_template)
+        if not path.is_file():
+            raise ValueError(f"--chat-template {path}: " + ("not a regular file" if path.exists() else "no such file"))
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ValueError(f"--chat-template {path}: {exc.strerror or exc}") from None
+        except UnicodeDecodeError:
+            raise ValueError(f"--chat-template {path}: not UTF-8 text") from None
+        if not text.strip():
+            raise ValueError(f"--chat-template {path}: the file is empty")
+        return text
 
     def args(self, seed: int | None = None) -> dict:
         """The keyword arguments of `LLM(model, **args)` (of each replica's, with data parallelism): only the
@@ -92,6 +130,7 @@ class EngineOptions:
             raise ValueError(f"--kv-cache-gib must be a positive number of GiB, not {self.kv_cache_gib}")
         if seed is not None and not -(1 << 63) <= seed < 1 << 63:
             raise ValueError(f"--seed must be an integer in [-2**63, 2**63 - 1], not {seed}")
+        self.chat_template_text()  # readable before anything loads
         args = {"dtype": self.dtype, "kv_cache_dtype": self.kv_cache_dtype, "max_model_len": self.max_model_len,
                 "max_num_seqs": self.max_num_seqs,
                 "max_num_batched_tokens": self.max_num_batched_tokens,
@@ -100,12 +139,14 @@ class EngineOptions:
                 "quantization": self.quantization,
                 "revision": self.revision,
                 "block_size": self.block_size, "num_kv_blocks": self.num_kv_blocks, "device": self.device,
-                "attention_backend": self.attention_backend, "seed": seed,
+                "attention_backend": self.attention_backend, "seed": seed, "task": self.task,
                 "cpu_kv_cache_bytes": None if self.kv_cache_gib is None else max(int(self.kv_cache_gib * (1 << 30)), 1),
                 "enforce_eager": self.enforce_eager or None,
                 "fused_ops": False if self.no_fused_ops else None,
                 "enable_prefix_caching": False if self.no_prefix_caching else None,
-                "async_scheduling": self.async_scheduling or None}
+                "async_scheduling": self.async_scheduling or None,
+                "enable_lora": self.enable_lora or bool(self.lora_modules) or None,
+                "max_loras": self.max_loras, "max_lora_rank": self.max_lora_rank}
         return {k: v for k, v in args.items() if v is not None}
 
 
@@ -167,6 +208,26 @@ def load_llm(engine: EngineOptions, seed: int | None = None) -> LLM:
     except ValueError as exc:
         raise fail(str(exc)) from None
     try:
-        return LLM(engine.model, **args)
+        llm = LLM(engine.model, **args)
     except (ValueError, OSError, ImportError, RuntimeError, KeyError) as exc:
         raise fail(f"cannot load the model: {exc}") from None
+    try:
+        use_chat_template(engine, llm.prompts)
+    except typer.Exit:
+        llm.exit()
+        raise
+    return llm
+
+
+def use_chat_template(engine: EngineOptions, prompts: PromptTokenizer) -> None:
+    """Give `prompts` the --chat-template, if one was given (a usage error when it does not fit the model)."""
+    try:
+        text = engine.chat_template_text()
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+    if text is None:
+        return
+    try:
+        prompts.use_chat_template(text)
+    except ValueError as exc:
+        raise fail(f"--chat-template {engine.chat_template}: {exc}") from None

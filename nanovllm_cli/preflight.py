@@ -8,11 +8,14 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from nanovllm_cli.pooling_rows import POOLING_INPUT_COLUMNS, PoolingRowParser
 from nanovllm_cli.readers import iter_rows
-from nanovllm_cli.rows import PROMPT_KEYS, is_openai_row, row_fingerprint, row_id
+from nanovllm_cli.records import carried_type, inferred_type, json_kind
+from nanovllm_cli.rows import PLAIN_ROW_KEYS, PROMPT_KEYS, is_openai_row, own_fields, row_fingerprint, row_id
 from nanovllm_cli.writers import Answered, journal_path, work_files
 
 SAMPLE_ROWS = 100  # a JSONL file without one object in its first SAMPLE_ROWS rows is not JSON Lines of rows
+MAX_CARRIED_FIELDS = 1024  # distinct own fields of the rows a Parquet OUTPUT can take as columns
 
 
 class PreflightError(Exception):
@@ -25,30 +28,52 @@ class InputScan:
     openai: bool  # the rows are OpenAI batch request lines
     duplicates: list[tuple[str, int, int]] = field(default_factory=list)  # (id, first number, later number)
     fingerprints: dict[str, str] = field(default_factory=dict)  # id -> content hash of its row
+    # The rows' own fields (carried to their records), in order of appearance: a Parquet input's column types, or
+    # the JSON kinds of a JSONL input's values (records.inferred_type).
+    parquet_types: dict[str, object] = field(default_factory=dict)
+    json_kinds: dict[str, set[str]] = field(default_factory=dict)
+    too_many_fields: bool = False  # more than MAX_CARRIED_FIELDS distinct ones (no longer counted)
+
+    def passthrough(self, own_fields: frozenset[str]) -> tuple[tuple[str, object], ...]:
+        """(name, Arrow type) of the carried fields a Parquet OUTPUT gets as columns (not those named as a record's
+        own fields: the record keeps its own)."""
+        if self.parquet_types:
+            return tuple((name, carried_type(t)) for name, t in self.parquet_types.items() if name not in own_fields)
+        return tuple((name, inferred_type(kinds)) for name, kinds in self.json_kinds.items() if name not in own_fields)
+
+    def clashes(self, own_fields: frozenset[str]) -> list[str]:
+        """The carried fields named as a record's own."""
+        return [name for name in (self.parquet_types or self.json_kinds) if name in own_fields]
 
 
-def _parquet_columns(path: Path) -> list[str]:
+def _parquet_schema(path: Path, pooling: bool):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
-        names = pq.ParquetFile(path).schema_arrow.names
+        schema = pq.ParquetFile(path).schema_arrow
     except (OSError, ValueError, pa.ArrowException) as exc:
         raise PreflightError(f"{path} is not a readable Parquet file: {exc}") from None
-    if not {*PROMPT_KEYS, "body"} & set(names):
-        raise PreflightError(f"{path} has no 'prompt', 'messages', 'prompt_token_ids' or 'body' column "
-                             f"(its columns: {', '.join(names) or 'none'})")
-    return names
+    inputs = {*PROMPT_KEYS, "body", *(POOLING_INPUT_COLUMNS if pooling else ())}
+    if not inputs & set(schema.names):
+        also = " (nor 'text', 'text_1' or 'query')" if pooling else ""
+        raise PreflightError(f"{path} has no 'prompt', 'messages', 'prompt_token_ids' or 'body' column{also} "
+                             f"(its columns: {', '.join(schema.names) or 'none'})")
+    return schema
 
 
-def scan_input(path: Path, fmt: str) -> InputScan:
+def scan_input(path: Path, fmt: str, pooling: bool = False) -> InputScan:
     """One pass over INPUT: its rows, their layout and repeated ids. Raises PreflightError when the file as a
-    whole is not what its format says (no single row could be read as a row)."""
-    columns = _parquet_columns(path) if fmt == "parquet" else None
+    whole is not what its format says (no single row could be read as a row). `pooling`: the rows of a pooling job,
+    whose input columns count too (pooling_rows.py)."""
+    schema = _parquet_schema(path, pooling) if fmt == "parquet" else None
     label = "row" if fmt == "parquet" else "line"
+    row_keys = PoolingRowParser.plain_row_keys if pooling else PLAIN_ROW_KEYS  # the rest are the rows' own
     first_of: dict[str, int] = {}
-    scan = InputScan(rows=0, openai=is_openai_row(dict.fromkeys(columns)) if columns else False)
-    seen_object, first_problem = columns is not None, None
+    scan = InputScan(rows=0, openai=is_openai_row(dict.fromkeys(schema.names)) if schema else False)
+    if schema is not None:
+        scan.parquet_types = {name: schema.field(name).type for name in own_fields(dict.fromkeys(schema.names), row_keys)}
+    seen_object, first_problem = schema is not None, None
     try:
         for number, value in iter_rows(path, fmt):
             scan.rows += 1
@@ -59,6 +84,12 @@ def scan_input(path: Path, fmt: str) -> InputScan:
                     first_problem = first_problem or (number, value)
                 else:
                     break
+            if schema is None and not scan.too_many_fields:
+                for name, item in own_fields(value, row_keys).items():
+                    kinds = scan.json_kinds.setdefault(name, set())
+                    if item is not None:
+                        kinds.add(json_kind(item))
+                scan.too_many_fields = len(scan.json_kinds) > MAX_CARRIED_FIELDS
             rid = row_id(number, value)
             if rid in first_of:
                 scan.duplicates.append((rid, first_of[rid], number))
@@ -98,6 +129,18 @@ def prepare_output_dir(output: Path) -> None:
         raise PreflightError(f"cannot create the folder {output.parent}: {exc.strerror or exc}") from None
     if not os.access(output.parent, os.W_OK | os.X_OK):
         raise PreflightError(f"cannot write {output}: no write permission in {output.parent}")
+
+
+def check_output_kind(output: Path) -> None:
+    """OUTPUT, and each file the job writes beside it, is a regular file or absent once symbolic links are followed:
+    a FIFO would block the job, a device (/dev/null, /dev/full) would take or refuse every record silently."""
+    for path in (output, *work_files(output)):
+        if path.exists() and not path.is_file() and not path.is_dir():
+            kind = ("a FIFO" if path.is_fifo() else "a character device" if path.is_char_device() else
+                    "a block device" if path.is_block_device() else "a socket" if path.is_socket() else "not a file")
+            target = f" (a link to {path.resolve()})" if path.is_symlink() else ""
+            raise PreflightError(f"OUTPUT {output}: {path}{target} is {kind}; OUTPUT must be a regular file, or not "
+                                 "exist yet")
 
 
 def check_not_input(output: Path, input_path: Path, lock_path: Path) -> None:

@@ -33,6 +33,8 @@ class ActorSettings:
     output: str  # OUTPUT's URI
     output_format: str  # "jsonl" | "parquet"
     max_restarts: int  # of the engine's child process
+    chat_template: str | None  # for 'messages' rows instead of the model's (--chat-template)
+    pooling: dict  # a pooling job's defaults (PoolingParams fields)
 
 
 def node_name() -> str:
@@ -66,6 +68,8 @@ class EngineActor:
         check_model_on_node(self.settings.model)
         self.pool = start_replicas(self.settings.model, self.settings.engine_args, 1,
                                    max_restarts=self.settings.max_restarts)
+        if self.settings.chat_template is not None:
+            self.pool.prompts.use_chat_template(self.settings.chat_template)
         self._refresh(None)
         return {"node": socket.gethostname(), "pid": os.getpid(), "start_s": time.monotonic() - started}
 
@@ -76,6 +80,7 @@ class EngineActor:
         import fsspec
 
         from nanovllm_cli.job import BatchRunner, RecordList, RunStats
+        from nanovllm_cli.pooling_rows import PoolingRowParser
         from nanovllm_cli.ray_inputs import part_values
         from nanovllm_cli.records import RecordBuilder
         from nanovllm_cli.rows import RowParser, row_fingerprint
@@ -83,7 +88,9 @@ class EngineActor:
 
         s, part = self.settings, task["part"]
         numbers = set(task["numbers"]) if "numbers" in task else None
-        parser = RowParser(s.sampling, s.seed, "row" if part["format"] == "parquet" else "line", part["source"] or None)
+        label, source = "row" if part["format"] == "parquet" else "line", part["source"] or None
+        parser = RowParser(s.sampling, s.seed, label, source) if s.layout.task is None \
+            else PoolingRowParser(s.seed, label, s.layout.task, s.pooling, source)
         fingerprints: dict[str, str] = {}
         number_of: dict[str, int] = {}
 

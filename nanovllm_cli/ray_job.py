@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import os
 import posixpath
-import signal
 import socket
 import sys
 import time
@@ -54,6 +53,7 @@ class RayJob:
     metrics_file: Path | None = None
     metrics_interval: float = 10.0
     max_restarts: int = 3
+    pooling: dict | None = None  # a pooling job's defaults (PoolingParams fields)
 
 
 def output_format(output: str) -> str:
@@ -174,6 +174,7 @@ def ray_job(input_path: str, output: str | None, input_format: str | None, engin
 
 def run_on_ray(job: RayJob) -> dict:
     """Run the job; returns its summary, with the exit code of `nanovllm run`'s rules."""
+    from nanovllm import pooling_spec
     from nanovllm_cli.metrics import check_writable
 
     started = time.perf_counter()
@@ -182,7 +183,11 @@ def run_on_ray(job: RayJob) -> dict:
         files = list_input_files(job.input, job.input_format)
         check_output(job.output, job.input)
         engine_args = job.engine.args(job.seed)
-        layout = RecordLayout(openai=first_row_is_openai(files), include_token_ids=job.include_token_ids)
+        chat_template = job.engine.chat_template_text()
+        spec = pooling_spec(job.engine.model, **engine_args)
+        # The rows' own fields are not carried: a Parquet shard's columns are fixed before its rows are read.
+        layout = RecordLayout(openai=first_row_is_openai(files), include_token_ids=job.include_token_ids,
+                              task=spec.task if spec else None, drop_columns=True)
         folder = ShardFolder(job.output)
         if job.overwrite:
             folder.clear()
@@ -193,11 +198,11 @@ def run_on_ray(job: RayJob) -> dict:
         raise o.fail(str(exc)) from None
     # Ray prints what it has to say on the driver (a worker that died, ...) to stdout: keep stdout for --json.
     with contextlib.redirect_stdout(sys.stderr):
-        return run_on_cluster(job, files, engine_args, layout, out_format, folder, plan, started)
+        return run_on_cluster(job, files, engine_args, chat_template, layout, out_format, folder, plan, started)
 
 
-def run_on_cluster(job: RayJob, files: list[InputFile], engine_args: dict, layout: RecordLayout, out_format: str,
-                   folder: ShardFolder, plan: ResumePlan, started: float) -> dict:
+def run_on_cluster(job: RayJob, files: list[InputFile], engine_args: dict, chat_template: str | None,
+                   layout: RecordLayout, out_format: str, folder: ShardFolder, plan: ResumePlan, started: float) -> dict:
     """The job's parts planned on the cluster and answered by the engine actors; then what committed is read
     back, doubles dropped (an actor of a killed run that committed after this run looked), and summed up."""
     from rich.console import Console
@@ -211,11 +216,11 @@ def run_on_cluster(job: RayJob, files: list[InputFile], engine_args: dict, layou
     versions = {f.url: f.version for f in files}
     tasks = plan.tasks + [{"key": part_key(p.url, p.first), "part": vars(p), "file": {"version": versions[p.url]}}
                           for p in plan_parts(files, job.window, covered)]
-    progress = RayProgress(job, plan, tasks, started)
+    progress = RayProgress(job, plan, tasks, started, pooling=layout.task is not None)
     console = Console(stderr=True)
     code, scheduler = ExitCode.OK, None
     if tasks:
-        code, scheduler = run_tasks(job, tasks, engine_args, layout, out_format, progress,
+        code, scheduler = run_tasks(job, tasks, engine_args, chat_template, layout, out_format, progress,
                                     on_event=lambda message: notice(console, message), console=console)
     final = folder.read_state()
     dropped, cut = final.superfluous()
@@ -227,8 +232,8 @@ def run_on_cluster(job: RayJob, files: list[InputFile], engine_args: dict, layou
     return progress.summary(final, files, layout, scheduler, code)
 
 
-def run_tasks(job: RayJob, tasks: list[dict], engine_args: dict, layout: RecordLayout, out_format: str,
-              progress: RayProgress, on_event, console) -> tuple[ExitCode, object]:
+def run_tasks(job: RayJob, tasks: list[dict], engine_args: dict, chat_template: str | None, layout: RecordLayout,
+              out_format: str, progress: RayProgress, on_event, console) -> tuple[ExitCode, object]:
     """The tasks through the engine actors, with the progress display and the metrics file."""
     import ray
 
@@ -242,7 +247,7 @@ def run_tasks(job: RayJob, tasks: list[dict], engine_args: dict, layout: RecordL
     if model is not None and Path(model).expanduser().exists():
         model = str(Path(model).expanduser().resolve())  # the same path on every node
     settings = ActorSettings(model, engine_args, job.sampling, job.seed, layout, job.reorder, job.window, job.output,
-                             out_format, job.max_restarts)
+                             out_format, job.max_restarts, chat_template, job.pooling or {})
     gpus = ray.cluster_resources().get("GPU", 0) > 0 and job.engine.device != "cpu"
     actor_class = ray.remote(EngineActor).options(
         num_cpus=1, num_gpus=(job.engine.tensor_parallel_size or 1) if gpus else 0, max_concurrency=2,
@@ -258,17 +263,14 @@ def run_tasks(job: RayJob, tasks: list[dict], engine_args: dict, layout: RecordL
                              ShardFolder(job.output), on_event, on_tick)
     progress.scheduler = scheduler
     code = ExitCode.OK
-    previous_sigterm = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM ends it like Ctrl-C
     try:
         with display, metrics:
             scheduler.run()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM (interrupts.py)
         code = ExitCode.INTERRUPTED
     except JobFailed as exc:
         typer.echo(f"error: the Ray job failed: {exc}", err=True)
         code = ExitCode.INTERNAL
-    finally:
-        signal.signal(signal.SIGTERM, previous_sigterm)
     if code != ExitCode.OK:
         typer.echo(f"the shards committed so far are in {job.output}; run again with --resume to finish", err=True)
     return code, scheduler
@@ -278,8 +280,9 @@ class RayProgress:
     """The job's figures for the display, the metrics file and the summary: what earlier runs answered, the parts
     committed by this one, and the parts in the actors' hands."""
 
-    def __init__(self, job: RayJob, plan: ResumePlan, tasks: list[dict], started: float):
+    def __init__(self, job: RayJob, plan: ResumePlan, tasks: list[dict], started: float, pooling: bool):
         self.job = job
+        self.pooling = pooling  # a pooling job generates nothing: its ETA goes by its row rate
         self.started = started
         self.scheduler = None
         rerun = sum(len(t["numbers"]) for t in tasks if "numbers" in t)
@@ -307,6 +310,9 @@ class RayProgress:
         answered = run["rows_ok"] + hand["rows"] - hand["rows_failed"]
         per_row = completion / answered if answered else None
         left = None if per_row is None else max(self.rows_planned - done, 0) * min(per_row, self.job.sampling["max_tokens"])
+        eta = eta_seconds(left, generated - completion, generated / elapsed)
+        if self.pooling and done:
+            eta = max(self.rows_planned - done, 0) * elapsed / done
         replicas = []
         for s in self.scheduler.slots:
             part_rows = s.figures.get("part", {}).get("rows", 0) if s.task is not None else 0
@@ -320,7 +326,7 @@ class RayProgress:
             rows_failed=run["rows_failed"] + hand["rows_failed"], rows_per_s=done / elapsed,
             output_tok_s=generated / elapsed, prefill_tok_s=hand["prefill_tokens"] / elapsed,
             kv_cache_usage=sum(f["kv_cache_usage"] for f in busy) / len(busy) if busy else None,
-            prefix_hit_rate=None, elapsed_s=elapsed, eta_s=eta_seconds(left, generated - completion, generated / elapsed),
+            prefix_hit_rate=None, elapsed_s=elapsed, eta_s=eta,
             generated_tokens=generated, completion_tokens=completion, replicas=replicas,
             retries=self.scheduler.retries())
 
@@ -346,6 +352,7 @@ class RayProgress:
                 **{n: run[n] for n in ("prompt_tokens", "cached_tokens", "completion_tokens")},
                 "prefix_hit_rate": run["cached_tokens"] / run["prompt_tokens"] if run["prompt_tokens"] else 0.0,
                 "elapsed_s": elapsed, "rows_per_s": (run["rows_ok"] + run["rows_failed"]) / elapsed,
-                "output_tok_s": run["completion_tokens"] / elapsed, "prefill_tok_s": run["prompt_tokens"] / elapsed,
+                "output_tok_s": None if self.pooling else run["completion_tokens"] / elapsed,
+                "prefill_tok_s": run["prompt_tokens"] / elapsed,
                 "retries": None if scheduler is None else scheduler.retries(), "replicas": replicas,
                 "exit_code": int(code)}

@@ -23,6 +23,7 @@ import socket
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from nanovllm_cli.pooling_rows import PoolingRowParser
 from nanovllm_cli.readers import drop_nulls
 from nanovllm_cli.records import RecordLayout
 from nanovllm_cli.rows import RowError, RowParser, RowRequest, row_fingerprint
@@ -56,14 +57,14 @@ def record_schema(layout: RecordLayout) -> pa.Schema:
     import pyarrow as pa
 
     schema = layout.arrow_schema()
-    if layout.openai:
+    if layout.openai or layout.task:  # a pooling job's records have no nested fields
         return schema
     return pa.schema(list(schema) + [pa.field(name, pa.string()) for name in JSON_TEXT_FIELDS])
 
 
 def arrow_row(layout: RecordLayout, record: dict) -> dict:
     """A record as a row of `record_schema`: nested fields as JSON text."""
-    if layout.openai:
+    if layout.openai or layout.task:
         return layout.parquet_row(record)
     extra = {k: None if record.get(k) is None else json.dumps(record[k], ensure_ascii=False) for k in JSON_TEXT_FIELDS}
     return {**record, **extra}
@@ -73,7 +74,7 @@ def record_from_arrow(layout: RecordLayout, row: dict) -> dict:
     """The inverse of `arrow_row`: the record as `nanovllm run` writes it to JSONL."""
     nested = ("response", "error") if layout.openai else JSON_TEXT_FIELDS
     record = {k: json.loads(v) if k in nested and isinstance(v, str) else v for k, v in row.items()}
-    if not layout.openai:  # a plain record has its nested fields only where the row asked for them
+    if not layout.openai and not layout.task:  # a plain record has its nested fields only where the row asked
         record = {k: v for k, v in record.items() if k not in JSON_TEXT_FIELDS or v is not None}
     return record
 
@@ -84,19 +85,28 @@ class LLMProcessor:
     `sampling`: the default sampling fields a row's own override (as `nanovllm run`'s options; greedy with 64
     tokens when not given); `seed`: the engine seed, from which a row without a seed derives its own (as in
     `nanovllm run`); `openai`: the rows are OpenAI batch lines and the records OpenAI batch output;
-    `include_token_ids`: add prompt_token_ids and token_ids; `reorder`: prefix-aware admission within a batch.
-    A model path must exist on every node (ModelNotOnNode names the node lacking it)."""
+    `include_token_ids`: add prompt_token_ids and token_ids; `reorder`: prefix-aware admission within a batch;
+    `chat_template`: a Jinja chat template (its text) for 'messages' rows instead of the model's. A pooling model's
+    rows and records are a pooling job's (`nanovllm run --task`), `pooling` its defaults (PoolingParams fields).
+    A model path must exist on every node (ModelNotOnNode names the node lacking it). A row's fields that nanovllm
+    does not read are not carried into its record here (one Arrow schema for every batch)."""
 
     def __init__(self, model: str | None = None, *, engine_args: dict | None = None, sampling: dict | None = None,
-                 seed: int = 0, openai: bool = False, include_token_ids: bool = False, reorder: bool = True):
+                 seed: int = 0, openai: bool = False, include_token_ids: bool = False, reorder: bool = True,
+                 chat_template: str | None = None, pooling: dict | None = None):
         from nanovllm import LLM, SamplingParams
 
         self.defaults = {"max_tokens": 64, "temperature": 0.0, **(sampling or {})}
         SamplingParams(**self.defaults)  # a bad default fails the actor at once, not every row
         check_model_on_node(model)
         self.llm = LLM(model, **{**(engine_args or {}), "seed": seed})
+        if chat_template is not None:
+            self.llm.prompts.use_chat_template(chat_template)
         self.seed = seed
-        self.layout = RecordLayout(openai=openai, include_token_ids=include_token_ids)
+        spec = self.llm.info.pooling
+        self.layout = RecordLayout(openai=openai, include_token_ids=include_token_ids,
+                                   task=spec.task if spec is not None else None)
+        self.pooling = pooling or {}
         self.schema = record_schema(self.layout)
         self.reorder = reorder
         self.parsers: dict[str, RowParser] = {}
@@ -144,7 +154,8 @@ class LLMProcessor:
 
     def _parser(self, label: str) -> RowParser:
         if label not in self.parsers:
-            self.parsers[label] = RowParser(self.defaults, self.seed, label)
+            self.parsers[label] = RowParser(self.defaults, self.seed, label) if self.layout.task is None \
+                else PoolingRowParser(self.seed, label, self.layout.task, self.pooling)
         return self.parsers[label]
 
     def __del__(self):

@@ -2,7 +2,8 @@
 
 Rows come out as (row number counting from 1, parsed value); a JSONL line that is not JSON comes out as
 `InvalidJson`, so that it becomes an error record like any other bad row. Blank lines are skipped but still
-counted, so row numbers are line numbers.
+counted, so row numbers are line numbers. A line nested deeper than MAX_DEPTH is invalid too: every later step
+(checks, hashing, records) may then walk a row recursively.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 FORMATS = ("jsonl", "parquet")
+MAX_DEPTH = 128  # arrays and objects inside each other in one row (a JSON schema 32 levels deep needs about 70)
 _SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet"}
 
 
@@ -35,6 +37,29 @@ def detect_format(path: Path, override: str | None) -> str:
     return fmt
 
 
+def nesting_depth(value: object) -> int:
+    """How many arrays and objects deep `value` goes (iteratively: a hostile depth cannot overflow the stack)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+def parse_line(line: bytes | str) -> object:
+    """One JSONL line's value, or InvalidJson saying why it is none."""
+    try:
+        value = json.loads(line)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError; nesting past the stack
+        return InvalidJson(f"invalid JSON: {exc}" if isinstance(exc, ValueError) else
+                           f"invalid JSON: nested deeper than {MAX_DEPTH} levels")
+    if nesting_depth(value) > MAX_DEPTH:
+        return InvalidJson(f"invalid JSON: nested deeper than {MAX_DEPTH} levels")
+    return value
+
+
 def drop_nulls(value: object) -> object:
     """Parquet gives every row every column: a null is an absent field."""
     if isinstance(value, dict):
@@ -49,12 +74,8 @@ def iter_rows(source: Path | BinaryIO, fmt: str) -> Iterator[tuple[int, object]]
     if fmt == "jsonl":
         with open(source, "rb") if isinstance(source, (str, os.PathLike)) else nullcontext(source) as f:
             for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    yield number, json.loads(line)
-                except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
-                    yield number, InvalidJson(f"invalid JSON: {exc}")
+                if line.strip():
+                    yield number, parse_line(line)
         return
     import pyarrow.parquet as pq
 

@@ -11,53 +11,145 @@ parse.
 OpenAI: {"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}, where body is a
 chat.completion or text_completion object with "usage", or {"error": {...}} for a failed row.
 Both carry "input_fingerprint", the hash of the row they answer, so `--resume` can tell a changed row.
+A pooling job's records (embeddings, probabilities, scores, rewards) are pooling_records.py's.
+
+Pass-through: the fields of a row that nanovllm does not read (the user's own data, `RowRequest.extra`) are added
+to its record, after the record's own fields: on a name clash the record's own field wins. In Parquet they are
+columns (`RecordLayout.passthrough`) that keep their type where JSON has one; a value JSON has no type for
+(timestamp, decimal, binary) is carried as text (ISO 8601, digits, base64), as are a JSONL input's fields whose
+values are not all of one JSON type (as JSON text). `RecordLayout.drop_columns` carries none.
 """
 from __future__ import annotations
 
+import base64
+import datetime
 import json
 import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from decimal import Decimal
 
 from nanovllm import CompletionOutput, RequestOutput
+from nanovllm_cli import pooling_records
+from nanovllm_cli.choices import choices_fields
 from nanovllm_cli.rows import RowError, RowRequest
 
 PLAIN_FIELDS = ("id", "text", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "error",
                 "structured_complete", "input_fingerprint")
 TOKEN_ID_FIELDS = ("prompt_token_ids", "token_ids")
+NESTED_FIELDS = ("logprobs", "prompt_logprobs", "completions")  # plain records' fields where a row asked for them
 OPENAI_FIELDS = ("id", "custom_id", "response", "error", "input_fingerprint")
 
 
 @dataclass(frozen=True)
 class RecordLayout:
-    """The shape of the records: what the writers need to know."""
+    """The shape of the records: what the writers need to know. `passthrough`: the input's own columns a Parquet
+    OUTPUT gets, (name, Arrow type) (`carried_type`, `inferred_type`); `drop_columns`: carry no row field."""
 
     openai: bool
     include_token_ids: bool = False
+    task: str | None = None  # a pooling job's task (pooling_records.py); None: generation
+    embedding_size: int | None = None  # embed into Parquet: the vectors' one size (a fixed-size list column)
+    passthrough: tuple[tuple[str, object], ...] = ()
+    drop_columns: bool = False
 
     @property
     def id_key(self) -> str:
         return "custom_id" if self.openai else "id"
+
+    @property
+    def own_fields(self) -> frozenset[str]:
+        """Every field a record of this layout may have of its own (a row's field of that name is not carried)."""
+        if self.openai:
+            return frozenset(OPENAI_FIELDS)
+        if self.task is not None:
+            return frozenset(name for name, _ in pooling_records.arrow_fields(self.task, None, True))
+        return frozenset((*PLAIN_FIELDS, *TOKEN_ID_FIELDS, *NESTED_FIELDS))
 
     def arrow_schema(self):
         """Parquet columns. OpenAI's nested response and error objects are stored as JSON text."""
         import pyarrow as pa
 
         if self.openai:
-            return pa.schema([(name, pa.string()) for name in OPENAI_FIELDS])
-        types = {"prompt_tokens": pa.int64(), "completion_tokens": pa.int64(), "cached_tokens": pa.int64(),
-                 "structured_complete": pa.bool_()}
-        fields = [(name, types.get(name, pa.string())) for name in PLAIN_FIELDS]
-        if self.include_token_ids:
-            fields += [(name, pa.list_(pa.int64())) for name in TOKEN_ID_FIELDS]
-        return pa.schema(fields)
+            fields = [(name, pa.string()) for name in OPENAI_FIELDS]
+        elif self.task is not None:
+            fields = list(pooling_records.arrow_fields(self.task, self.embedding_size, self.include_token_ids))
+        else:
+            types = {"prompt_tokens": pa.int64(), "completion_tokens": pa.int64(), "cached_tokens": pa.int64(),
+                     "structured_complete": pa.bool_()}
+            fields = [(name, types.get(name, pa.string())) for name in PLAIN_FIELDS]
+            if self.include_token_ids:
+                fields += [(name, pa.list_(pa.int64())) for name in TOKEN_ID_FIELDS]
+        return pa.schema(fields + list(self.passthrough))
 
     def parquet_row(self, record: dict) -> dict:
-        if not self.openai:
-            return record
-        return {k: v if v is None or isinstance(v, str) else json.dumps(v, ensure_ascii=False)
-                for k, v in record.items()}
+        """A record (as JSON gives it back) as a row of `arrow_schema`: a carried field of a text column that
+        holds another JSON value is JSON text."""
+        if self.openai:
+            record = {k: v if v is None or isinstance(v, str) or k not in OPENAI_FIELDS else json.dumps(v, ensure_ascii=False)
+                      for k, v in record.items()}
+        for name, kind in self.passthrough:
+            value = record.get(name)
+            if str(kind) == "string" and value is not None and not isinstance(value, str):
+                record[name] = json.dumps(value, ensure_ascii=False)
+        return record
+
+
+def carried_value(value: object) -> object:
+    """A row's own value as JSON holds it: timestamps as ISO 8601 text, decimals as their digits, bytes as base64."""
+    if isinstance(value, dict):
+        return {str(k): carried_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [carried_value(v) for v in value]
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    if isinstance(value, (datetime.date, datetime.time)):
+        return value.isoformat()
+    if isinstance(value, (bytes, bytearray)):
+        return base64.b64encode(value).decode("ascii")
+    if isinstance(value, Decimal):
+        return str(value)
+    return str(value)
+
+
+def carried_type(arrow_type):
+    """A Parquet input column's type in OUTPUT: itself where JSON holds its values, else text (`carried_value`)."""
+    import pyarrow as pa
+
+    t = arrow_type
+    if pa.types.is_null(t) or pa.types.is_boolean(t) or pa.types.is_integer(t) or pa.types.is_floating(t):
+        return t
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        return pa.string()
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        return pa.list_(carried_type(t.value_type))
+    if pa.types.is_struct(t):
+        return pa.struct([pa.field(f.name, carried_type(f.type)) for f in t])
+    return pa.string()
+
+
+def inferred_type(kinds: set[str]):
+    """A JSONL input field's type in a Parquet OUTPUT, from the JSON kinds of its values ("bool", "int", "float",
+    "str", "other"): one Arrow type where they agree (ints and floats: float64), else JSON text."""
+    import pyarrow as pa
+
+    if kinds == {"bool"}:
+        return pa.bool_()
+    if kinds == {"int"}:
+        return pa.int64()
+    if kinds and kinds <= {"int", "float"}:
+        return pa.float64()
+    return pa.string()
+
+
+def json_kind(value: object) -> str:
+    """What `inferred_type` counts a JSON value as (an integer outside int64 is "other")."""
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, int):
+        return "int" if -(1 << 63) <= value < 1 << 63 else "other"
+    return "float" if isinstance(value, float) else "str" if isinstance(value, str) else "other"
 
 
 # Characters JSON may hold raw that Python's str.splitlines (and some editors) take for line ends.
@@ -82,8 +174,25 @@ class RecordBuilder:
 
     def result(self, request: RowRequest, output: RequestOutput) -> dict:
         if output.error:
-            return self.error(RowError(request.id, request.where, output.error, request.endpoint),
+            return self.error(RowError(request.id, request.where, output.error, request.endpoint, request.extra),
                               len(request.token_ids), status_code=400 if output.invalid_request else 500)
+        return self._with_extra(self._result(request, output), request.extra)
+
+    def _with_extra(self, record: dict, extra: dict) -> dict:
+        """The record with the row's own fields after its own (which win a name clash)."""
+        if self.layout.drop_columns or not extra:
+            return record
+        own = self.layout.own_fields
+        return {**record, **{k: carried_value(v) for k, v in extra.items() if k not in own}}
+
+    def _result(self, request: RowRequest, output: RequestOutput) -> dict:
+        if self.layout.task is not None:
+            return self._pooling_result(request, output)
+        if request.choices is not None:  # scored choices (choices.py)
+            return {"id": request.id, "finish_reason": None, "prompt_tokens": output.num_prompt_tokens,
+                    "completion_tokens": 0, "cached_tokens": output.num_cached_tokens, "error": None,
+                    "structured_complete": None, "input_fingerprint": self.fingerprints.get(request.id),
+                    **choices_fields(request.choices, output)}
         completion = len(output.token_ids)
         if not self.layout.openai:
             record = {"id": request.id, "text": output.text, "finish_reason": output.finish_reason,
@@ -111,7 +220,7 @@ class RecordBuilder:
             "id": _random_id("chatcmpl-" if chat else "cmpl-"),
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
-            "model": self.model,
+            "model": self.model if request.lora_request is None else request.lora_request.lora_name,
             "choices": choices,
             "usage": {"prompt_tokens": output.num_prompt_tokens, "completion_tokens": completion,
                       "total_tokens": output.num_prompt_tokens + completion,
@@ -120,6 +229,19 @@ class RecordBuilder:
         return {"id": _random_id("batch_req_"), "custom_id": request.id,
                 "response": {"status_code": 200, "request_id": _random_id("req_"), "body": body}, "error": None,
                 "input_fingerprint": self.fingerprints.get(request.id)}
+
+    def _pooling_result(self, request: RowRequest, output) -> dict:
+        fingerprint = self.fingerprints.get(request.id)
+        if self.layout.openai:
+            return {"id": _random_id("batch_req_"), "custom_id": request.id,
+                    "response": {"status_code": 200, "request_id": _random_id("req_"),
+                                 "body": pooling_records.embeddings_body(output, self.model)},
+                    "error": None, "input_fingerprint": fingerprint}
+        try:
+            return pooling_records.result_record(self.layout.task, request, output, fingerprint,
+                                                 self.layout.embedding_size, self.layout.include_token_ids)
+        except pooling_records.RecordProblem as exc:
+            return self.error(RowError(request.id, request.where, str(exc), request.endpoint), output.num_prompt_tokens)
 
     def _choice(self, request: RowRequest, output: RequestOutput, c: CompletionOutput, chat: bool) -> dict:
         """One OpenAI choice: its message or text, and logprobs in the endpoint's exact shape."""
@@ -147,6 +269,12 @@ class RecordBuilder:
 
     def error(self, error: RowError, prompt_tokens: int = 0, status_code: int = 400) -> dict:
         """400: the row is invalid; 500: the engine failed on a valid row."""
+        return self._with_extra(self._error(error, prompt_tokens, status_code), error.extra)
+
+    def _error(self, error: RowError, prompt_tokens: int, status_code: int) -> dict:
+        if not self.layout.openai and self.layout.task is not None:
+            return pooling_records.error_record(self.layout.task, error.id, error.message, prompt_tokens,
+                                                self.fingerprints.get(error.id), self.layout.include_token_ids)
         if not self.layout.openai:
             record = {"id": error.id, "text": None, "finish_reason": "error", "prompt_tokens": prompt_tokens,
                       "completion_tokens": 0, "cached_tokens": 0, "error": error.message,

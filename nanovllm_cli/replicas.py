@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 
-from nanovllm import EngineInfo, PromptTokenizer
+from nanovllm import EngineInfo, PromptTokenizer, SamplingParams
 from nanovllm_cli import options as o
 from nanovllm_cli.admission import PrefixGroup
 from nanovllm_cli.job import EngineFailure, EngineFeeder, Finished, JobFailed, RowFailure
@@ -184,7 +184,9 @@ class Replica:
 
 
 def request_tokens(request: RowRequest) -> int:
-    """The load a row puts on a replica until it is answered."""
+    """The load a row puts on a replica until it is answered (a pooling row generates nothing)."""
+    if not isinstance(request.params, SamplingParams):
+        return len(request.token_ids)
     return len(request.token_ids) + request.params.max_tokens * max(request.params.n, request.params.best_of or 1)
 
 
@@ -627,7 +629,7 @@ def load_replicas(engine: EngineOptions, seed: int | None = None, *, max_restart
     except ValueError as exc:
         raise o.fail(str(exc)) from None
     try:
-        return start_replicas(engine.model, args, engine.data_parallel_size, max_restarts=max_restarts,
+        pool = start_replicas(engine.model, args, engine.data_parallel_size, max_restarts=max_restarts,
                               on_event=on_event)
     except PlacementError as exc:
         raise o.fail(str(exc)) from None
@@ -635,6 +637,12 @@ def load_replicas(engine: EngineOptions, seed: int | None = None, *, max_restart
         raise o.fail(f"cannot start the replicas: {exc}") from None
     except (ValueError, OSError, ImportError, RuntimeError, KeyError) as exc:
         raise o.fail(f"cannot load the model: {exc}") from None
+    try:
+        o.use_chat_template(engine, pool.prompts)
+    except BaseException:
+        pool.close()
+        raise
+    return pool
 
 
 def merge_reports(reports: list[dict]) -> dict:

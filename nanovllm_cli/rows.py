@@ -4,7 +4,12 @@ Row forms: {"id", "prompt": str}, {"id", "messages": [{"role", "content"}, ...]}
 [int, ...]}, and OpenAI batch request lines {"custom_id", "method": "POST", "url": "/v1/chat/completions" |
 "/v1/completions", "body": {...}}. Sampling fields of the row (top level or in "sampling_params"; in the body
 for OpenAI lines) override the command-line defaults. A row constrains its output with `structured_outputs`
-(vLLM's fields: json, json_object, regex, choice, grammar), an OpenAI line with `response_format`.
+(vLLM's fields: json, json_object, regex, choice, grammar), an OpenAI line with `response_format`. A row runs
+with a LoRA adapter of --lora-modules named by its `lora` field, an OpenAI line by its body's `model`
+(lora_modules.py).
+A field the row form does not read is refused by name when it is a mistake (`row_fields`), else carried through to
+the row's record as the user's own data (`extra`). A row brings no code: the chat template is the model's or the
+command line's, and `chat_template_kwargs` only hands it values.
 """
 from __future__ import annotations
 
@@ -13,8 +18,10 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from nanovllm import SamplingParams, from_response_format
+from nanovllm import LoRARequest, PoolingParams, SamplingParams, from_response_format
+from nanovllm_cli.lora_modules import NO_MODULES, LoRAModules
 from nanovllm_cli.readers import InvalidJson
+from nanovllm_cli.row_fields import meant_field, openai_body_problem, plain_field_problem, quoted_name
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "seed",
                    "ignore_eos", "structured_outputs", "n", "best_of", "logprobs", "prompt_logprobs",
@@ -30,9 +37,11 @@ OPENAI_SAMPLING_KEYS = {"max_tokens": "max_tokens", "max_completion_tokens": "ma
                         "frequency_penalty": "frequency_penalty", "logit_bias": "logit_bias",
                         "repetition_penalty": "repetition_penalty", "min_tokens": "min_tokens"}
 # Every other body key a line may carry, per endpoint; anything else is rejected by name (never ignored).
-OPENAI_OTHER_KEYS = {"chat": {"model", "messages", "user", "logprobs", "top_logprobs", "chat_template_kwargs",
-                              "response_format"},
-                     "completions": {"model", "prompt", "user", "logprobs", "echo", "best_of", "response_format"}}
+OPENAI_OTHER_KEYS = {"chat": {"messages", "logprobs", "top_logprobs", "chat_template_kwargs", "response_format"},
+                     "completions": {"prompt", "logprobs", "echo", "best_of", "response_format"}}
+PLAIN_ROW_KEYS = frozenset({"id", *PROMPT_KEYS, "sampling_params", "chat_template_kwargs", "lora", "choices",
+                            *SAMPLING_FIELDS})
+OPENAI_ROW_KEYS = frozenset({"custom_id", "method", "url", "body"})
 
 
 @dataclass
@@ -41,13 +50,16 @@ class RowRequest:
 
     id: str
     where: str  # "line 7" (JSONL) or "row 7" (Parquet), for error messages
-    kind: str  # "prompt" | "messages" | "token_ids"
-    payload: str | list
-    params: SamplingParams
-    endpoint: str | None = None  # OpenAI lines: "chat" | "completions"
+    kind: str  # "prompt" | "messages" | "token_ids"; a score row's "pair" | "documents" (pooling_rows.py)
+    payload: str | list | tuple
+    params: SamplingParams | PoolingParams  # PoolingParams: a row of a pooling job (pooling_rows.py)
+    endpoint: str | None = None  # OpenAI lines: "chat" | "completions" | "embeddings"
     echo: bool = False  # /v1/completions: the prompt (and its logprobs) leads the completion
     chat_template_kwargs: dict | None = None
+    choices: list[str] | None = None  # continuations to score instead of generating (choices.py)
     token_ids: list[int] = field(default_factory=list)  # filled by tokenize_row
+    lora_request: LoRARequest | None = None  # its LoRA adapter (None: the base model)
+    extra: dict = field(default_factory=dict)  # the row's own fields nanovllm does not read, for its record
 
 
 @dataclass
@@ -58,6 +70,7 @@ class RowError:
     where: str
     problem: str
     endpoint: str | None = None
+    extra: dict = field(default_factory=dict)  # as RowRequest.extra
 
     @property
     def message(self) -> str:
@@ -175,19 +188,66 @@ def _plain_fields(row: dict) -> tuple[str, object, dict, dict]:
             raise RowProblem(f"'sampling_params' must be an object, not {_type_name(nested)}")
         unknown = sorted(set(nested) - set(SAMPLING_FIELDS))
         if unknown:
-            raise RowProblem(f"unknown sampling parameter(s) {', '.join(unknown)} "
-                             f"(known: {', '.join(SAMPLING_FIELDS)})")
+            raise RowProblem("; ".join(_sampling_params_problem(name) for name in unknown))
         overrides.update({k: v for k, v in nested.items() if v is not None})
-    return kind, _checked_payload(kind, row[key], key), overrides, _template_kwargs(row)
+    if kind != "messages" and row.get("chat_template_kwargs") is not None:
+        raise RowProblem("'chat_template_kwargs' applies to a 'messages' row only")
+    template_kwargs = _template_kwargs(row)  # first: a row that brings a template is refused for that
+    return kind, _checked_payload(kind, row[key], key), overrides, template_kwargs
 
 
-def _template_kwargs(container: dict) -> dict:
+def _checked_choices(choices: object, overrides: dict) -> list[str]:
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+        raise RowProblem(f"'choices' must be a non-empty array of non-empty strings, not {_type_name(choices)}")
+    if overrides:
+        raise RowProblem(f"{', '.join(sorted(overrides))}: sampling fields do not apply to a row with 'choices' "
+                         "(its choices are scored, not generated)")
+    return choices
+
+
+def _sampling_params_problem(name: str) -> str:
+    problem = plain_field_problem(name, set(SAMPLING_FIELDS))
+    if problem is not None:
+        return "sampling_params: " + problem
+    return f"unknown sampling parameter {quoted_name(name)} (known: {', '.join(SAMPLING_FIELDS)})"
+
+
+def _template_kwargs(container: dict, place: str = "") -> dict:
     kwargs = container.get("chat_template_kwargs")
     if kwargs is None:
         return {}
     if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
-        raise RowProblem(f"'chat_template_kwargs' must be an object, not {_type_name(kwargs)}")
+        raise RowProblem(f"'{place}chat_template_kwargs' must be an object, not {_type_name(kwargs)}")
+    if "chat_template" in kwargs:
+        raise RowProblem(f"'{place}chat_template_kwargs.chat_template': a row cannot bring a chat template; it is the "
+                         "model's, or the file given with --chat-template")
     return {"chat_template_kwargs": kwargs}
+
+
+def own_fields(row: object, plain_row_keys: frozenset[str] = PLAIN_ROW_KEYS) -> dict:
+    """The fields of a row that are the user's own data, carried to its record ({} for a row that is no object)."""
+    return _unread_fields(row, is_openai_row(row), plain_row_keys)[0] if isinstance(row, dict) else {}
+
+
+def _unread_fields(row: dict, openai: bool, plain_row_keys: frozenset[str]) -> tuple[dict, list[str]]:
+    """The fields of the row that its form does not read (`plain_row_keys`: the plain rows' fields the parser
+    reads): the user's own (carried to its record), and why the others are refused (a misspelling, or another
+    tool's decoding field)."""
+    known = OPENAI_ROW_KEYS if openai else plain_row_keys
+    own, problems = {}, []
+    for key, value in row.items():
+        if key in known:
+            continue
+        if openai:
+            meant = meant_field(key, OPENAI_ROW_KEYS)
+            problem = meant and f"unknown field '{key}' (did you mean '{meant}'?)"
+        else:
+            problem = plain_field_problem(key, plain_row_keys)
+        if problem:
+            problems.append(problem)
+        else:
+            own[key] = value
+    return own, problems
 
 
 def _openai_logprobs(endpoint: str, body: dict) -> dict:
@@ -235,10 +295,11 @@ def _openai_fields(row: dict) -> tuple[str, object, dict, dict]:
     key = "messages" if endpoint == "chat" else "prompt"
     if key not in body:
         raise RowProblem(f"a {endpoint} request body needs '{key}'")
-    unknown = sorted(set(body) - set(OPENAI_SAMPLING_KEYS) - OPENAI_OTHER_KEYS[endpoint])
-    if unknown:
-        raise RowProblem(f"unsupported field(s) {', '.join('body.' + k for k in unknown)} for /v1/"
-                         f"{'chat/completions' if endpoint == 'chat' else 'completions'}")
+    known = set(OPENAI_SAMPLING_KEYS) | OPENAI_OTHER_KEYS[endpoint]
+    problems = [openai_body_problem(k, body[k], known, endpoint == "chat") for k in body if k not in known]
+    if any(problems):
+        raise RowProblem("; ".join(p for p in problems if p))
+    extra = _template_kwargs(body, "body.") if endpoint == "chat" else {}  # first, as for a plain row
     kind = "messages" if endpoint == "chat" else "token_ids" if isinstance(body[key], list) else "prompt"
     overrides = {name: body[key_] for key_, name in OPENAI_SAMPLING_KEYS.items() if body.get(key_) is not None}
     if body.get("response_format") is not None:
@@ -247,18 +308,22 @@ def _openai_fields(row: dict) -> tuple[str, object, dict, dict]:
         except ValueError as exc:
             raise RowProblem(str(exc)) from None
     overrides.update(_openai_logprobs(endpoint, body))
-    extra = {"echo": overrides.pop("echo")} if "echo" in overrides else {}
-    if endpoint == "chat":
-        extra.update(_template_kwargs(body))
+    if "echo" in overrides:
+        extra["echo"] = overrides.pop("echo")
     return kind, _checked_payload(kind, body[key], f"body.{key}"), overrides, extra
 
 
 class RowParser:
     """Parses rows against the command-line sampling defaults. `source` names the file of the rows where an input
-    has several: it leads each row's place ("a.jsonl line 7") and the id of a row without one ("a.jsonl:7")."""
+    has several: it leads each row's place ("a.jsonl line 7") and the id of a row without one ("a.jsonl:7").
+    A pooling job's rows: pooling_rows.PoolingRowParser."""
 
-    def __init__(self, sampling_defaults: dict, base_seed: int, label: str, source: str | None = None):
+    plain_row_keys = PLAIN_ROW_KEYS  # the fields of a plain row this parser reads
+
+    def __init__(self, sampling_defaults: dict, base_seed: int, label: str, source: str | None = None,
+                 lora: LoRAModules | None = None):
         self.defaults = sampling_defaults
+        self.lora = lora  # the job's --lora-modules (None: none, and an OpenAI line's model is not looked at)
         self.base_seed = base_seed
         self.label = f"{source} {label}" if source else label  # "line" or "row"
         self.id_prefix = f"{source}:" if source else ""
@@ -271,7 +336,7 @@ class RowParser:
         if not isinstance(row, dict):
             return RowError(default_id, where, f"a row must be a JSON object, not {_type_name(row)}")
         openai = is_openai_row(row)
-        endpoint = (_openai_endpoint(row) or "chat") if openai else None
+        endpoint = self._endpoint(row) if openai else None
         try:
             row_id = _row_id(row.get("custom_id" if openai else "id"), default_id)
         except RowProblem as exc:
@@ -279,12 +344,36 @@ class RowParser:
         if _has_lone_surrogate(row):
             return RowError(row_id, where, "the row holds text that is not valid Unicode (a lone surrogate "
                             "escape such as \\ud800)", endpoint)
+        passed, problems = _unread_fields(row, openai, self.plain_row_keys)
+        if problems:
+            return RowError(row_id, where, "; ".join(problems), endpoint, passed)
         try:
-            kind, payload, overrides, extra = _openai_fields(row) if openai else _plain_fields(row)
-            params = self._params(overrides, row_id)
+            return self._request(row_id, where, row, openai, endpoint, passed)
         except RowProblem as exc:
-            return RowError(row_id, where, str(exc), endpoint)
-        return RowRequest(row_id, where, kind, payload, params, endpoint, **extra)
+            return RowError(row_id, where, str(exc), endpoint, passed)
+
+    def _endpoint(self, row: dict) -> str:
+        """The endpoint an OpenAI line asks (records answer in its shape, errors included)."""
+        return _openai_endpoint(row) or "chat"
+
+    def _request(self, row_id: str, where: str, row: dict, openai: bool, endpoint: str | None,
+                 passed: dict) -> RowRequest:
+        """The request of a row whose id is known, carrying `passed` (its own fields) to its record; raises
+        RowProblem."""
+        kind, payload, overrides, extra = _openai_fields(row) if openai else _plain_fields(row)
+        if not openai and row.get("choices") is not None:  # scored, not generated (choices.py)
+            extra["choices"] = _checked_choices(row["choices"], overrides)
+        params = self._params(overrides, row_id)
+        return RowRequest(row_id, where, kind, payload, params, endpoint, **extra,
+                          lora_request=self._lora_request(row, openai), extra=passed)
+
+    def _lora_request(self, row: dict, openai: bool) -> LoRARequest | None:
+        try:
+            if openai:
+                return self.lora.for_model(row["body"].get("model")) if self.lora else None
+            return (self.lora or NO_MODULES).for_row(row.get("lora"))
+        except ValueError as exc:
+            raise RowProblem(str(exc)) from None
 
     def _params(self, overrides: dict, row_id: str) -> SamplingParams:
         values = {**self.defaults, **overrides}

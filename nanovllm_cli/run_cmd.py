@@ -1,9 +1,9 @@
 """`nanovllm run`: a completion for every row of a JSONL / Parquet file, streamed into OUTPUT as rows finish."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
-import signal
 import time
 import traceback
 from collections.abc import Iterable
@@ -13,15 +13,16 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from nanovllm_cli import options as o
+from nanovllm_cli.interrupts import interruptible
 from nanovllm_cli.options import EngineOptions, ExitCode, with_engine_options
 
 if TYPE_CHECKING:  # the engine imports torch: not needed for `--help`
     from rich.console import Console
 
-    from nanovllm import LLM
+    from nanovllm import LLM, PoolingSpec
     from nanovllm_cli.display import Snapshot
     from nanovllm_cli.job import BatchRunner, RunStats
-    from nanovllm_cli.preflight import OutputLock
+    from nanovllm_cli.preflight import InputScan, OutputLock
     from nanovllm_cli.records import RecordLayout
     from nanovllm_cli.replicas import ReplicaPool
     from nanovllm_cli.rows import RowError, RowRequest
@@ -32,6 +33,7 @@ LONG = "Long jobs"
 RAY = "Ray cluster"
 
 
+@interruptible
 @with_engine_options()
 def run(
     input_path: Annotated[str, typer.Argument(
@@ -56,6 +58,9 @@ def run(
     include_token_ids: Annotated[bool, typer.Option(
         "--include-token-ids", help="Add prompt_token_ids and token_ids to each result.",
         rich_help_panel=IO)] = False,
+    drop_columns: Annotated[bool, typer.Option(
+        "--drop-columns", help="Leave out of each record the row's own fields (those nanovllm does not read), "
+        "which are carried through by default.", rich_help_panel=IO)] = False,
     reorder: Annotated[bool, typer.Option(
         "--reorder/--no-reorder", help="Prefix-aware admission inside the read-ahead window, or file order.",
         rich_help_panel=IO)] = True,
@@ -86,8 +91,12 @@ def run(
     seed: o.Seed = 0,
     stop: o.Stop = None,
     ignore_eos: o.IgnoreEos = False,
+    dimensions: Annotated[int | None, typer.Option(
+        help="embed: keep the first N features of each embedding (Matryoshka models), then normalize; a row's own "
+        "'dimensions' wins.", rich_help_panel=o.POOLING)] = None,
     ray: Annotated[bool, typer.Option(
-        "--ray", help="Run on a Ray cluster with Ray Data (pip install 'nanovllm[ray]'): one engine per replica.",
+        "--ray", help="Run on a Ray cluster (pip install 'nanovllm[ray]'): one engine per Ray actor, OUTPUT a "
+        "folder of committed shards that --resume completes.",
         rich_help_panel=RAY)] = False,
     ray_address: Annotated[str | None, typer.Option(
         help="The cluster to join (default: RAY_ADDRESS, else a local one).", rich_help_panel=RAY)] = None,
@@ -113,7 +122,15 @@ def run(
     **Output**: {"id", "text", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "error",
     "structured_complete"} per row (structured_complete false: cut by max_tokens, the text may not parse);
     OpenAI batch output lines for OpenAI input. A bad row gets an error record naming the row and the problem,
-    and every other row still runs.
+    and every other row still runs. A row's other fields are its own data, carried into its record (after the
+    record's own fields, which win a name clash; not with --drop-columns), except a misspelled field or one
+    another tool decodes with, which is the row's error.
+
+    **Pooling** (an embedding or classification checkpoint, or --task embed|classify|score|reward): rows
+    {"id", "text" | "prompt" | "messages" | "prompt_token_ids"} (score: {"id", "text_1", "text_2"} or {"id",
+    "query", "documents": [...]}) or OpenAI /v1/embeddings lines; records {"id", "embedding"} | {"id", "probs",
+    "label"} | {"id", "score"} / {"id", "scores"} | {"id", "reward"}, with "prompt_tokens", "cached_tokens",
+    "error" (Parquet embeddings: fixed-size float32 lists).
 
     **Resume**: --resume answers only the rows OUTPUT lacks. Each record holds a fingerprint of its row: a row
     changed since, or a record of a row no longer in INPUT, is an error unless --sync reruns / drops them.
@@ -129,10 +146,11 @@ def run(
 
     from nanovllm import SamplingParams
     from nanovllm_cli.display import notice
+    from nanovllm_cli.lora_modules import LoRAModules
     from nanovllm_cli.metrics import check_writable
+    from nanovllm_cli.pooling_rows import PoolingRowParser
     from nanovllm_cli.preflight import OutputLock, PreflightError, duplicates_message, scan_input
     from nanovllm_cli.readers import detect_format, iter_rows
-    from nanovllm_cli.records import RecordLayout
     from nanovllm_cli.rows import RowParser
 
     defaults = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
@@ -144,13 +162,14 @@ def run(
         from nanovllm_cli.ray_job import ray_job
 
         unsupported = {"--ray-address/--ray-replicas without --ray": not ray,
-                       "--data-parallel-size (use --ray-replicas)": engine.data_parallel_size > 1}
+                       "--data-parallel-size (use --ray-replicas)": engine.data_parallel_size > 1,
+                       "--lora-modules": bool(engine.lora_modules)}
         summary = ray_job(input_path, output, input_format, engine, defaults, seed, unsupported,
                           include_token_ids=include_token_ids, reorder=reorder, window=window,
                           replicas=ray_replicas or 1, address=ray_address, overwrite=overwrite, quiet=quiet,
                           resume=resume or retry_failed or sync, retry_failed=retry_failed, sync=sync,
                           log_interval=log_interval, metrics_file=metrics_file, metrics_interval=metrics_interval,
-                          max_restarts=max_restarts)
+                          max_restarts=max_restarts, pooling={"dimensions": dimensions})
         finish(summary, quiet, json_summary)
     input_path = Path(input_path)
     if not input_path.is_file():
@@ -159,9 +178,11 @@ def run(
     output = Path(output) if output else input_path.with_name(f"{input_path.stem}.results.jsonl")
     if output.suffix.lower() not in (".jsonl", ".parquet"):
         raise o.fail(f"OUTPUT must end in .jsonl or .parquet, not {output.name!r}")
+    pooling = pooling_of(engine)
+    task = pooling.task if pooling is not None else None
     try:
         fmt = detect_format(input_path, input_format)
-        scan = scan_input(input_path, fmt)
+        scan = scan_input(input_path, fmt, pooling=task is not None)
     except ValueError as exc:
         raise o.fail(f"cannot read {input_path}: {exc}") from None
     except PreflightError as exc:
@@ -176,7 +197,15 @@ def run(
         SamplingParams(**defaults)
     except ValueError as exc:
         raise o.fail(f"invalid sampling option: {exc}") from None
-    layout = RecordLayout(openai=scan.openai, include_token_ids=include_token_ids)
+    try:
+        lora = LoRAModules.parse(engine.lora_modules) if engine.lora_modules else None
+        engine.chat_template_text()
+    except ValueError as exc:
+        raise o.fail(str(exc)) from None
+    embedding_size = None
+    if task == "embed" and output.suffix.lower() == ".parquet":  # one vector size for the fixed-size column
+        embedding_size = dimensions or pooling.output_size
+    layout = record_layout(scan, output, include_token_ids, drop_columns, task, embedding_size)
     resume = resume or retry_failed or sync
     try:
         check_writable(metrics_file)
@@ -194,9 +223,14 @@ def run(
                                    on_event=lambda message: notice(console, message))
         else:
             source = o.load_llm(engine, seed)
-        parser = RowParser(defaults, seed, label)
-        rows = (parser.parse(number, row) for number, row in iter_rows(input_path, fmt))
         with source:
+            try:
+                lora = lora and lora.with_base_names(engine.model, source.info.model)
+            except ValueError as exc:
+                raise o.fail(str(exc)) from None
+            parser = RowParser(defaults, seed, label, lora=lora) if task is None \
+                else PoolingRowParser(seed, label, task, {"dimensions": dimensions})
+            rows = (parser.parse(number, row) for number, row in iter_rows(input_path, fmt))
             code, summary = run_job(source, rows, scan.rows, layout, output, append=resume, skip_ids=answered.ids,
                                     failed_before=len(answered.failed), fingerprints=scan.fingerprints,
                                     window=window, reorder=reorder, quiet=quiet, log_interval=log_interval,
@@ -205,6 +239,42 @@ def run(
     finally:
         lock.release()
     finish({"input": str(input_path), **summary}, quiet, json_summary)
+
+
+def pooling_of(engine: EngineOptions) -> PoolingSpec | None:
+    """How the engine these options describe pools (None: it generates), from the model's config before it
+    loads. A model or task that cannot be resolved counts as generating here: loading it reports why, once the
+    whole-file checks have had their say."""
+    from nanovllm import pooling_spec
+
+    try:
+        return pooling_spec(engine.model, **engine.args())
+    except (ValueError, OSError, ImportError, KeyError):
+        return None
+
+
+def record_layout(scan: InputScan, output: Path, include_token_ids: bool, drop_columns: bool, task: str | None,
+                  embedding_size: int | None) -> RecordLayout:
+    """The records' shape: a pooling task's or generation's, with the rows' own fields carried (a Parquet
+    OUTPUT's columns from the input scan), or none. A row's field named as one of the record's own is not
+    carried: say so once."""
+    from nanovllm_cli.preflight import MAX_CARRIED_FIELDS
+    from nanovllm_cli.records import RecordLayout
+
+    layout = RecordLayout(openai=scan.openai, include_token_ids=include_token_ids, task=task,
+                          embedding_size=embedding_size, drop_columns=drop_columns)
+    if drop_columns:
+        return layout
+    clashes = scan.clashes(layout.own_fields)
+    if clashes:
+        typer.echo(f"note: the rows' field(s) {', '.join(map(repr, clashes[:5]))} share a name with the records' own; "
+                   "the records keep their own (rename the input's to carry it)", err=True)
+    if output.suffix.lower() == ".parquet":
+        if scan.too_many_fields:
+            raise o.fail(f"INPUT's rows carry more than {MAX_CARRIED_FIELDS} fields of their own: too many columns for "
+                         "a Parquet OUTPUT; add --drop-columns or write JSONL")
+        layout = dataclasses.replace(layout, passthrough=scan.passthrough(layout.own_fields))
+    return layout
 
 
 def finish(summary: dict, quiet: bool, json_summary: bool) -> None:
@@ -228,6 +298,7 @@ def prepare_output(output: Path, input_path: Path, layout: RecordLayout, lock: O
         PreflightError,
         check_not_input,
         check_output,
+        check_output_kind,
         prepare_output_dir,
         stale_message,
         stale_records,
@@ -236,6 +307,7 @@ def prepare_output(output: Path, input_path: Path, layout: RecordLayout, lock: O
 
     try:
         prepare_output_dir(output)
+        check_output_kind(output)
         check_not_input(output, input_path, lock.path)
         lock.acquire()
         check_output(output, resume=resume, overwrite=overwrite)
@@ -266,7 +338,7 @@ def run_job(source: LLM | ReplicaPool, rows: Iterable[RowRequest | RowError], ro
     from nanovllm_cli.job import BatchRunner, EngineFeeder, JobFailed, RunStats
     from nanovllm_cli.metrics import MetricsLog
     from nanovllm_cli.records import RecordBuilder
-    from nanovllm_cli.writers import open_writer
+    from nanovllm_cli.writers import OutputWriteError, open_writer
 
     try:
         writer = open_writer(output, layout, append)
@@ -286,32 +358,39 @@ def run_job(source: LLM | ReplicaPool, rows: Iterable[RowRequest | RowError], ro
                          window=window, reorder=reorder, skip_ids=skip_ids, on_step=on_step,
                          on_error=display.row_error)
     code = ExitCode.OK
-    previous_sigterm = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM ends it like Ctrl-C
     try:
         with display, metrics_log:
             runner.run(rows)
     except KeyboardInterrupt:
         code = ExitCode.INTERRUPTED
-    except JobFailed as exc:
+    except (JobFailed, OutputWriteError) as exc:
         typer.echo(f"error: {exc}", err=True)
         code = ExitCode.INTERNAL
     except Exception:  # noqa: BLE001 (a bug or an engine failure: keep what is written, say how to go on)
         traceback.print_exc()
         code = ExitCode.INTERNAL
-    finally:
-        signal.signal(signal.SIGTERM, previous_sigterm)
     stats.ended = time.perf_counter()
     try:
         writer.close()
-    except Exception:  # noqa: BLE001 (e.g. a full disk while merging Parquet: the journal stays for --resume)
-        traceback.print_exc()
+    except (OutputWriteError, OSError) as exc:  # e.g. a full disk while merging Parquet: the journal stays
+        typer.echo(f"error: {exc}", err=True)
         code = ExitCode.INTERNAL
     if code == ExitCode.OK and (stats.rows_failed or failed_before):
         code = ExitCode.ROWS_FAILED
     if code in (ExitCode.INTERRUPTED, ExitCode.INTERNAL):
-        typer.echo(f"stopped after {stats.rows_done} rows, all written to {output}; run again with --resume "
-                   "to finish", err=True)
-    return code, {**build_summary(stats, source, output, layout, code), "rows_failed_before": failed_before}
+        typer.echo(stop_message(stats.rows_done, writer.records_kept, output), err=True)
+    return code, {**build_summary(stats, source, output, layout, code), "records_written": writer.records_kept,
+                  "rows_failed_before": failed_before}
+
+
+def stop_message(rows_done: int, records_kept: int, output: Path) -> str:
+    """What a stopped job leaves: never more records than OUTPUT holds."""
+    if records_kept == rows_done:
+        done = f"stopped after {rows_done} rows, their records in {output}"
+    else:
+        done = (f"stopped after {rows_done} rows, {records_kept or 'none'} of their records in {output} "
+                "(writing failed)")
+    return f"{done}; run again with --resume to finish"
 
 
 def snapshot(stats: RunStats, source: LLM | ReplicaPool, runner: BatchRunner, max_tokens: int) -> Snapshot:
@@ -324,12 +403,14 @@ def snapshot(stats: RunStats, source: LLM | ReplicaPool, runner: BatchRunner, ma
     generated = report["tokens"]["generated"]
     rows_done = stats.rows_done + stats.rows_skipped
     left = runner.output_tokens_left(stats.completion_tokens / stats.rows_ok, max_tokens) if stats.rows_ok else None
+    eta = eta_seconds(left, generated - stats.completion_tokens, generated / elapsed)
+    if source.info.pooling is not None and stats.rows_done:  # a pooling job generates nothing: by its row rate
+        eta = (stats.rows_total - rows_done) * elapsed / stats.rows_done
     replicas = [ReplicaProgress(r["index"], r["pid"], r["state"], r["rows"], r["outstanding"], r["generated_tokens"],
                                 r["generated_tokens"] / elapsed, r["restarts"]) for r in report.get("replicas", ())]
     return Snapshot(
         rows_done=rows_done, rows_total=stats.rows_total, rows_failed=stats.rows_failed,
-        rows_per_s=stats.rows_done / elapsed, output_tok_s=generated / elapsed,
-        eta_s=eta_seconds(left, generated - stats.completion_tokens, generated / elapsed),
+        rows_per_s=stats.rows_done / elapsed, output_tok_s=generated / elapsed, eta_s=eta,
         prefill_tok_s=report["tokens"]["prefill"] / elapsed, kv_cache_usage=metrics["kv_cache_usage"],
         prefix_hit_rate=metrics["prefix_cache"]["hit_rate"], elapsed_s=elapsed, generated_tokens=generated,
         completion_tokens=stats.completion_tokens, replicas=replicas or None, retries=report.get("retries"))

@@ -4,22 +4,24 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-from jinja2.exceptions import TemplateError
-
 from nanovllm import PromptTokenizer
 from nanovllm_cli.readers import iter_rows
 from nanovllm_cli.rows import RowError, RowParser, RowRequest
 
 
 def tokenize_row(request: RowRequest, tokenizer: PromptTokenizer) -> RowRequest | RowError:
-    """Fill `request.token_ids`; a row the tokenizer or chat template rejects becomes a RowError."""
+    """Fill `request.token_ids`; a row the tokenizer or chat template rejects becomes a RowError. Whatever goes
+    wrong with one row is that row's error, never the job's (PromptTokenizer bounds each prompt's size)."""
     try:
         if request.kind == "messages":
             token_ids = tokenizer.apply_chat_template(request.payload, request.chat_template_kwargs)
+        elif isinstance(request.payload, tuple):  # a score row: the engine joins the pairs; its query, for grouping
+            token_ids = tokenizer.tokenize(request.payload[0])
         else:
             token_ids = tokenizer.tokenize(request.payload)
-    except (ValueError, TypeError, TemplateError) as exc:  # the row's problem, never the job's
-        return RowError(request.id, request.where, str(exc), request.endpoint)
+    except Exception as exc:  # noqa: BLE001 (the row's problem, never the job's)
+        problem = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+        return RowError(request.id, request.where, problem, request.endpoint, request.extra)
     request.token_ids = list(token_ids)
     return request
 

@@ -8,6 +8,10 @@ Parquet cannot be appended to, so rows go to the journal `OUTPUT.journal.jsonl` 
 merges OUTPUT's earlier rows (when resuming) and the journal into a temporary file that atomically replaces
 OUTPUT; then the journal is removed. The merged file records the journal's size and hash in its metadata, so
 a journal left behind by a crash between the replace and the removal is recognised as merged and dropped.
+
+A write that fails mid-job (a full disk, OUTPUT's folder removed) raises OutputWriteError naming OUTPUT and the
+cause; `records_kept` says how many of this run's records OUTPUT holds (none when the file was removed or
+replaced under the job, which each fsync checks).
 """
 from __future__ import annotations
 
@@ -27,6 +31,10 @@ MERGED_JOURNAL_KEY = b"nanovllm.merged_journal"
 
 class OutputError(Exception):
     """OUTPUT cannot be resumed as it is (the user must choose another file or fix this one)."""
+
+
+class OutputWriteError(OSError):
+    """Writing OUTPUT failed mid-job; the message names the file and the cause."""
 
 
 @dataclass
@@ -105,17 +113,31 @@ def read_jsonl_ids(path: Path, id_key: str) -> Answered:
 
 
 class JsonlWriter:
-    """Appends one JSON line per record: flushed at once, fsync'ed within `fsync_interval` and at close."""
+    """Appends one JSON line per record: flushed at once, fsync'ed within `fsync_interval` and at close. Each fsync
+    also checks that `path` still names the file written (not removed or replaced under the job)."""
 
     def __init__(self, path: Path, append: bool, fsync_interval: float = FSYNC_INTERVAL_S):
         self.path = path
         self.file = open(path, "a" if append else "w", encoding="utf-8")  # noqa: SIM115 (closed in close())
         self.fsync_interval = fsync_interval
         self.unsynced_since: float | None = None
+        self.written = 0  # records of this run handed to the OS
+        self.lost = False  # the file written is no longer `path`: its records are not in OUTPUT
+        self.failed = False
+
+    @property
+    def records_kept(self) -> int:
+        """This run's records that `path` holds (as far as a failed write lets one know: those before it)."""
+        return 0 if self.lost else self.written
 
     def write(self, record: dict) -> None:
-        self.file.write(record_line(record))
-        self.file.flush()
+        line = record_line(record)
+        try:
+            self.file.write(line)
+            self.file.flush()
+        except OSError as exc:
+            raise self._failure(exc) from None
+        self.written += 1
         if self.unsynced_since is None:
             self.unsynced_since = time.monotonic()
 
@@ -124,14 +146,43 @@ class JsonlWriter:
             self._sync()
 
     def _sync(self) -> None:
-        os.fsync(self.file.fileno())
+        try:
+            os.fsync(self.file.fileno())
+            same = os.path.samestat(os.stat(self.path), os.fstat(self.file.fileno()))
+        except FileNotFoundError:
+            same = False
+        except OSError as exc:
+            raise self._failure(exc) from None
+        if not same:
+            self.lost = self.failed = True
+            raise OutputWriteError(f"cannot write {self.path}: it was removed or replaced while the job wrote it "
+                                   f"(this run's {self.written} records went with it)")
         self.unsynced_since = None
 
+    def _failure(self, exc: OSError) -> OutputWriteError:
+        self.failed = True
+        return OutputWriteError(f"cannot write {self.path}: {exc.strerror or exc}")
+
     def close(self) -> None:
-        if not self.file.closed:
+        if self.file.closed:
+            return
+        if self.failed:  # what could be written is; closing flushes the rest of a failed write, which fails again
+            try:
+                self.file.close()
+            except OSError:
+                pass
+            return
+        try:
             self._sync()
-            self.file.close()
+        finally:
+            try:
+                self.file.close()
+            except OSError as exc:
+                raise self._failure(exc) from None
+        try:
             _fsync_dir(self.path)
+        except OSError as exc:
+            raise self._failure(exc) from None
 
 
 def _journal_marker(path: Path) -> str:
@@ -152,12 +203,16 @@ def _merged_marker(path: Path) -> str | None:
 
 def read_parquet_ids(path: Path, layout: RecordLayout) -> Answered:
     """Ids in a Parquet OUTPUT and its journal; drops a journal that is already merged into OUTPUT."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     journal = journal_path(path)
     ids = Answered()
-    if path.exists():
-        schema = pq.read_schema(path)
+    if path.exists() and path.stat().st_size:  # an empty file holds no records
+        try:
+            schema = pq.read_schema(path)
+        except (OSError, pa.ArrowException) as exc:
+            raise OutputError(f"{path} is not a Parquet file ({exc}); choose another OUTPUT or drop --resume") from None
         if not schema.remove_metadata().equals(layout.arrow_schema()):
             raise OutputError(f"{path} has other columns than this job writes (another input kind, or "
                               "--include-token-ids differs); choose another OUTPUT or drop --resume")
@@ -188,9 +243,20 @@ class ParquetWriter:
     def sync_if_due(self) -> None:
         self.journal.sync_if_due()
 
+    @property
+    def records_kept(self) -> int:
+        """This run's records in the journal, which `--resume` merges into OUTPUT when `close` could not."""
+        return self.journal.records_kept
+
     def close(self) -> None:
         self.journal.close()
-        self._merge()
+        if self.journal.failed:
+            return  # the journal stays for --resume
+        try:
+            self._merge()
+        except OSError as exc:
+            raise OutputWriteError(f"cannot write {self.path}: {exc.strerror or exc} (the journal "
+                                   f"{self.journal.path} keeps this run's records for --resume)") from None
 
     def _merge(self) -> None:
         import pyarrow as pa
@@ -200,7 +266,7 @@ class ParquetWriter:
         marked = schema.with_metadata({MERGED_JOURNAL_KEY: _journal_marker(self.journal.path).encode()})
         tmp = temp_path(self.path)
         with pq.ParquetWriter(tmp, marked) as out:
-            if self.path.exists():
+            if self.path.exists() and self.path.stat().st_size:  # the records of earlier runs (--resume)
                 for batch in pq.ParquetFile(self.path).iter_batches(batch_size=self.BATCH_ROWS):
                     out.write_table(pa.Table.from_batches([batch]).cast(marked))
             rows: list[dict] = []

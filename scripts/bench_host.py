@@ -56,7 +56,7 @@ def main() -> None:
         t2 = time.perf_counter()
         if profiler:
             profiler.disable()
-        assert batch.is_pure_decode and len(batch) == args.num_seqs
+        assert batch.num_tokens == len(batch) == args.num_seqs  # a pure decode step
         if args.skip_forward:
             t3 = t4 = time.perf_counter()
             tokens = [0] * len(batch)

@@ -8,8 +8,10 @@
 # (default: all); fp8, fp8bench, tp (two GPUs: the TP=2 GPU test, then bench at TP=1 and TP=2), dp (data
 # parallelism: two replicas sharing one GPU give one engine's records; on two GPUs bench at DP=1, DP=2 and TP=2),
 # structured (structured outputs: GPU tests, bench_structured, bench --structured; needs xgrammar and a tokenizer
-# folder, see the stage) and ray (run --ray, one engine per GPU, against run on the same rows; needs ray[data])
-# are only run when named.
+# folder, see the stage), pooling (embedding GPU tests, then bench --task embed on the Qwen3-0.6B and BERT-base
+# shapes: 100,000 rows of U[32, 512] tokens) and ray (run --ray, one engine per GPU, against run on the same rows;
+# needs ray[data]) are only run when named, as is lora (multi-LoRA: GPU tests, the kernels at Qwen3-8B's shapes,
+# bench --lora).
 set -uo pipefail
 OUT=${OUT:-/tmp/nanovllm-gpu}
 mkdir -p "$OUT"
@@ -41,6 +43,13 @@ for stage in $STAGES; do
                  nanovllm bench --model qwen3-0.6b --load-format dummy --compare --json ${variant#*:} \
                    > "$OUT/bench_sampling_${variant%%:*}_$round.json" 2>"$OUT/bench_sampling_${variant%%:*}_$round.err" || rc=1
                done
+             done ;;
+    pooling) python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_pooling.py \
+               2>&1 | tee "$OUT/gpu_pooling_tests.log" | tail -15; rc=${PIPESTATUS[0]}
+             for model in qwen3-0.6b bert-base; do
+               nanovllm bench --task embed --model $model --load-format dummy --num-seqs 100000 \
+                 --input-len-range 32 512 --max-model-len 512 --max-num-batched-tokens 16384 --max-num-seqs 512 \
+                 --async --json > "$OUT/bench_embed_$model.json" 2>"$OUT/bench_embed_$model.err" || rc=1
              done ;;
     tp)      python3 -m pytest -q -m gpu -p no:cacheprovider -o faulthandler_timeout=240 tests/test_gpu_engine.py -k tp2 \
                2>&1 | tee "$OUT/gpu_tp_tests.log" | tail -15; rc=${PIPESTATUS[0]}
@@ -119,6 +128,16 @@ print(json.dumps({"rows": len(reference), "ray_records": len(ray), "shards": len
 sys.exit(0 if ok else 1)
 PY
              ;;
+    lora)    # the LoRA GPU tests (kernels, CUDA graphs, engine vs PEFT in fp32); the kernels against the base
+             # projections at Qwen3-8B's shapes; then the Qwen3-8B shape, dummy weights, bench's 256 rows: 8 random
+             # adapters of rank 16, then 64, spread over the rows against the base model on the same rows, one engine
+             python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_lora.py tests/test_lora_kernel.py \
+               2>&1 | tee "$OUT/gpu_lora_tests.log" | tail -15; rc=${PIPESTATUS[0]}
+             python3 scripts/bench_lora.py --out "$OUT/bench_lora_kernels.jsonl" 2>"$OUT/bench_lora_kernels.err" || rc=1
+             for rank in ${LORA_RANKS:-16 64}; do
+               nanovllm bench --model qwen3-8b --load-format dummy --lora 8 --lora-rank "$rank" --json \
+                 > "$OUT/bench_qwen3_8b_lora8_r$rank.json" 2>"$OUT/bench_qwen3_8b_lora8_r$rank.err" || rc=1
+             done ;;
     peers)   python3 scripts/bench_peers.py --model qwen3-0.6b --output-len 512 \
                > "$OUT/bench_peers.json" 2>"$OUT/bench_peers.err"; rc=$? ;;
     *) echo "unknown stage $stage"; exit 2 ;;

@@ -132,3 +132,37 @@ def test_a_dropped_engine_is_freed_at_once(async_scheduling):
         gc.enable()
     with pytest.raises(RuntimeError, match="exited"):
         llm.generate([[1, 2, 3]])
+
+
+def test_generate_from_two_threads_gives_each_its_own_outputs(monkeypatch):
+    """Two threads calling `generate` at once: each gets its own prompts' outputs, exactly those of a call alone
+    (greedy); a step that yields the GIL every time makes the calls interleave."""
+    import threading
+    import time
+
+    llm = LLM("tiny-qwen3", num_kv_blocks=64, max_model_len=256)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompts = {name: [[i + 1, i + 2, i + 3 + offset] for i in range(3)] for name, offset in (("a", 0), ("b", 7))}
+    alone = {name: [o.token_ids for o in llm.generate(p, params)] for name, p in prompts.items()}
+    step = llm.step
+
+    def yielding_step():
+        time.sleep(0.002)
+        return step()
+
+    monkeypatch.setattr(llm, "step", yielding_step)
+    results, errors = {}, []
+
+    def call(name):
+        try:
+            results[name] = [o.token_ids for o in llm.generate(prompts[name], params)]
+        except Exception as exc:  # noqa: BLE001 (reported below)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=call, args=(name,)) for name in prompts]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors, errors
+    assert results == alone

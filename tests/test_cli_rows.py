@@ -85,14 +85,14 @@ def test_sampling_overrides():
     ({"id": "a", "prompt": "x", "temperature": 1e39}, "a", "temperature=1e+39"),
     ({"id": "a", "prompt": "\ud800"}, "a", "not valid Unicode"),
     ({"id": "\udc00", "prompt": "x"}, "7", "the id is not valid Unicode"),
-    ({"id": "a", "prompt": "x", "sampling_params": {"beam": 2}}, "a", "unknown sampling parameter(s) beam"),
+    ({"id": "a", "prompt": "x", "sampling_params": {"beam": 2}}, "a", "unknown sampling parameter 'beam'"),
     ({"id": "a", "prompt": "x", "sampling_params": 3}, "a", "'sampling_params' must be an object"),
     ({"custom_id": "a", "url": "/v1/embeddings", "body": {}}, "a", "unsupported url '/v1/embeddings'"),
     ({"custom_id": "a", "method": "GET", "body": {"messages": CHAT}}, "a", "unsupported method 'GET'"),
     ({"custom_id": "a", "body": "x"}, "a", "'body' must be an object, not a string"),
     ({"custom_id": "a", "body": {"prompt": "x"}}, "a", "a chat request body needs 'messages'"),
     ({"custom_id": "a", "url": "/v1/completions", "body": {"prompt": ["x", "y"]}}, "a", "body.prompt"),
-    ({"custom_id": "a", "body": {"messages": CHAT, "tools": []}}, "a", "unsupported field(s) body.tools"),
+    ({"custom_id": "a", "body": {"messages": CHAT, "tools": []}}, "a", "unsupported field 'body.tools': tool calling"),
     ({"custom_id": ["a"], "body": {"messages": CHAT}}, "7", "the id must be a string or an integer"),
 ])
 def test_bad_rows_name_the_row_and_the_problem(row, row_id, problem):

@@ -259,7 +259,8 @@ def test_json_summary_is_one_object_on_stdout(tmp_path):
     types = {"input": str, "output": str, "output_format": str, "model": str, "rows_total": int, "rows_ok": int,
              "rows_failed": int, "rows_failed_before": int, "rows_skipped": int, "prompt_tokens": int, "cached_tokens": int,
              "completion_tokens": int, "prefix_hit_rate": float, "elapsed_s": float, "rows_per_s": float,
-             "output_tok_s": float, "prefill_tok_s": float, "exit_code": int, "kv_cache": dict, "engine": dict}
+             "output_tok_s": float, "prefill_tok_s": float, "exit_code": int, "kv_cache": dict, "engine": dict,
+             "records_written": int}
     assert set(summary) == set(types)
     assert all(isinstance(summary[k], t) for k, t in types.items())
     assert (summary["rows_total"], summary["rows_ok"], summary["rows_failed"], summary["exit_code"]) == (2, 1, 1, 1)

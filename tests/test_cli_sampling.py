@@ -43,8 +43,8 @@ def test_openai_fields_map_to_sampling_params():
 @pytest.mark.parametrize("row, problem", [
     ({"custom_id": "a", "body": {"messages": CHAT, "top_logprobs": 2}}, "body.top_logprobs needs body.logprobs"),
     ({"custom_id": "a", "body": {"messages": CHAT, "logprobs": 3}}, "body.logprobs must be true or false"),
-    ({"custom_id": "a", "body": {"messages": CHAT, "echo": True}}, "unsupported field(s) body.echo"),
-    ({"custom_id": "a", "body": {"messages": CHAT, "best_of": 2}}, "unsupported field(s) body.best_of"),
+    ({"custom_id": "a", "body": {"messages": CHAT, "echo": True}}, "unsupported field 'body.echo' for /v1/chat/completions"),
+    ({"custom_id": "a", "body": {"messages": CHAT, "best_of": 2}}, "unsupported field 'body.best_of' for /v1/chat/completions"),
     ({"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "x", "logprobs": 21}}, "logprobs="),
     ({"custom_id": "a", "body": {"messages": CHAT, "n": -1}}, "n="),
     ({"id": "a", "prompt": "x", "presence_penalty": 3}, "presence_penalty="),

@@ -1,5 +1,5 @@
-"""Kernels compile for sm_90 (Hopper), even on a machine without a GPU: sampling, the KV store into 16-bit and
-FP8 caches, and the decode and prefill attention kernels reading either.
+"""Kernels compile for sm_90 (Hopper), even on a machine without a GPU: sampling, penalties, the KV store into
+16-bit and FP8 caches, and the decode and prefill attention kernels reading either.
 
 Triton's interpreter, which runs the kernel tests on the CPU, accepts code that the compiler rejects (a module
 global that is not a constexpr, a variable whose type changes inside a branch): compiling ahead of time with
@@ -23,6 +23,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import nanovllm.kernels.decode_attention as D
 import nanovllm.kernels.kv_cache as K
+import nanovllm.kernels.penalties as P2
 import nanovllm.kernels.prefill_attention as P
 import nanovllm.kernels.sampling as S
 
@@ -33,13 +34,18 @@ def build(fn, signature, constexprs, num_warps, aligned):
     assert kernel.asm["cubin"], fn.__name__
 
 sample_args = ["logits", "stride", "out", "temperatures", "top_k", "top_p", "min_p", "seeds", "positions",
-               "scratch", "counters", "vocab"]
-signature = dict(zip(sample_args, ["*bf16", "i32", "*i64", "*fp32", "*i64", "*fp32", "*fp32", "*i64", "*i64",
-                                   "*i64", "*i32", "i32"]))
-signature.update(BLOCK="constexpr", PIVOTS="constexpr", CAP="constexpr", MAX_PASSES="constexpr")
-constexprs = {"BLOCK": S.DEFAULT_BLOCK, "PIVOTS": S.PIVOTS, "CAP": S.DEFAULT_CAP, "MAX_PASSES": S.MAX_PASSES}
-for kernel in (S._sample_kernel, S._sample_wide_kernel):
+               "scratch", "counters", "vocab", "G"]
+sample_types = ["*bf16", "i32", "*i64", "*fp32", "*i64", "*fp32", "*fp32", "*i64", "*i64", "*i64", "*i32", "i32", "i32"]
+for kernel, constexprs in (
+        (S._sample_kernel, dict(BLOCK=S.DEFAULT_BLOCK, NARROW=S.NARROW_K, CHUNK=S.CHUNK, PIVOTS=S.PIVOTS)),
+        (S._sample_wide_kernel, dict(BLOCK=S.DEFAULT_BLOCK, CHUNK=S.CHUNK, PIVOTS=S.PIVOTS,
+                                     SEARCH_PIVOTS=S.PIVOTS_SEARCH, SEARCH_CAP=S.SEARCH_CAP, MAX_PASSES=S.MAX_PASSES))):
+    signature = dict(zip(sample_args, sample_types), **dict.fromkeys(constexprs, "constexpr"))
     build(kernel, signature, constexprs, S.DEFAULT_WARPS, sample_args)
+penalty_args = P2._penalties_kernel.arg_names[:-1]
+signature = dict(zip(penalty_args, ["*fp32", "i32", "*i64", "*i64", "*fp32", "*fp32", "*fp32", "*i32", "i32", "*i32",
+                                    "*i32", "i32"]), BLOCK="constexpr")
+build(P2._penalties_kernel, signature, {"BLOCK": 1024}, 4, ["logits", "stride"])
 stats_args = ["logits", "stride", "token_ids", "out_logprob", "out_rank", "vocab"]
 signature = dict(zip(stats_args, ["*bf16", "i32", "*i64", "*fp32", "*i64", "i32"]), BLOCK="constexpr")
 build(S._logprob_stats_kernel, signature, {"BLOCK": 4096}, 8, stats_args)

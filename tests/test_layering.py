@@ -17,7 +17,7 @@ LAYERS = {
     "nanovllm.kernels": 0,
     "nanovllm.distributed": 1, "nanovllm.kv_groups": 1,
     "nanovllm.attention": 2, "nanovllm.structured": 2,
-    "nanovllm.layers": 3, "nanovllm.sampling_params": 3,
+    "nanovllm.layers": 3, "nanovllm.sampling_params": 3, "nanovllm.pooling_params": 3,
     "nanovllm.models": 4, "nanovllm.config": 4, "nanovllm.step_types": 4,
     "nanovllm.loaders": 5, "nanovllm.pooling": 5,
     "nanovllm.tokenization": 6, "nanovllm.lora": 6,

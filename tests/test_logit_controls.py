@@ -1,4 +1,7 @@
-"""Penalties and logit controls against HF transformers' logits processors (and OpenAI's formula by hand)."""
+"""Penalties and logit controls against HF transformers' logits processors (and OpenAI's formula by hand); the
+penalties, which touch only each row's seen tokens, against the formula over the whole vocabulary."""
+import os
+
 import pytest
 import torch
 from transformers.generation.logits_process import (
@@ -33,7 +36,7 @@ def filled_history(window=4):
     history = TokenHistory.allocate(num_slots=6, vocab_size=VOCAB, window=window, device=torch.device("cpu"))
     slots = [2, 0, 5]
     for slot, prompt in zip(slots, PROMPTS):
-        history.reset(slot, torch.tensor(prompt))
+        history.reset(slot, prompt)
     for step in range(max(map(len, OUTPUTS))):
         live = [i for i, out in enumerate(OUTPUTS) if step < len(out)]
         history.record(torch.tensor([slots[i] for i in live]), torch.tensor([OUTPUTS[i][step] for i in live]))
@@ -149,13 +152,67 @@ def test_controls_reject_half_precision_logits():
         apply_logit_bias(random_logits().half(), torch.tensor([0]), torch.tensor([1]), torch.tensor([1.0]))
 
 
+def seen_lists(history, slots):
+    return [sorted(history.seen_tokens[slot, :history.num_seen[slot]].tolist()) for slot in slots.tolist()]
+
+
 def test_history_reset_with_output_equals_recording_it():
     history, slots = filled_history()
     resumed = TokenHistory.allocate(num_slots=6, vocab_size=VOCAB, window=4, device=torch.device("cpu"))
     for slot, prompt, output in zip(slots.tolist(), PROMPTS, OUTPUTS):
-        resumed.reset(slot, torch.tensor(prompt), torch.tensor(output, dtype=torch.int64))
-    for name in ("output_counts", "prompt_mask", "recent", "output_lens"):
+        resumed.reset(slot, prompt, output)
+    for name in ("output_counts", "prompt_mask", "num_seen", "recent", "output_lens"):
         assert torch.equal(getattr(resumed, name), getattr(history, name)), name
+    assert seen_lists(resumed, slots) == seen_lists(history, slots) == [
+        sorted(set(prompt + output)) for prompt, output in zip(PROMPTS, OUTPUTS)]
+
+
+def dense_penalties(logits, rows, slots, history, repetition, presence, frequency):
+    """The penalty formula over the whole vocabulary (torch, as the engine applied it before the seen lists)."""
+    counts = history.output_counts[slots]
+    in_output = counts > 0
+    seen = in_output | history.prompt_mask[slots]
+    values = logits[rows]
+    penalty = repetition.unsqueeze(1)
+    values = torch.where(seen, torch.where(values > 0, values / penalty, values * penalty), values)
+    values -= frequency.unsqueeze(1) * counts + presence.unsqueeze(1) * in_output
+    logits[rows] = values
+
+
+@pytest.mark.parametrize("path", ["torch", "kernel"])
+def test_penalties_on_the_seen_tokens_equal_the_formula_over_the_vocabulary(path):
+    """Random histories (prompt-only, output-only and shared tokens, a token seen everywhere) and penalties
+    (below and above 1, negative presence), banned tokens among the seen ones; rows out of order, a row without
+    penalties. The seen-token paths (the torch one, the kernel in Triton's interpreter) equal the dense formula
+    bit for bit."""
+    generator = torch.Generator().manual_seed(7)
+    vocab, window = 300, 4
+    history = TokenHistory.allocate(num_slots=5, vocab_size=vocab, window=window, device=torch.device("cpu"))
+    for slot in range(5):
+        prompt = torch.randint(0, vocab, (int(torch.randint(0, 60, (1,), generator=generator)),), generator=generator)
+        history.reset(slot, prompt.tolist() + [17])
+        for _ in range(int(torch.randint(0, 40, (1,), generator=generator))):
+            history.record(torch.tensor([slot]), torch.randint(0, vocab, (1,), generator=generator))
+    history.record(torch.arange(5), torch.full((5,), 17))
+    rows, slots = torch.tensor([4, 0, 2, 3]), torch.tensor([1, 3, 0, 4])
+    repetition, presence = torch.tensor([1.3, 0.7, 2.0, 1.0]), torch.tensor([0.5, -0.3, 1.5, 0.0])
+    frequency = torch.tensor([0.25, 0.4, -0.5, 0.7])
+    logits = torch.randn(5, vocab, generator=generator) * 3
+    logits[:, ::13] = float("-inf")
+    expected = logits.clone()
+    dense_penalties(expected, rows, slots, history, repetition, presence, frequency)
+    ours = logits.clone()
+    if path == "torch":
+        apply_penalties(ours, rows, slots, history, repetition, presence, frequency)
+    else:
+        pytest.importorskip("triton")
+        if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+            pytest.skip("needs Triton's interpreter or a GPU")
+        from nanovllm.kernels.penalties import apply_history_penalties
+        apply_history_penalties(ours, rows, slots, repetition, presence, frequency, history.seen_tokens,
+                                history.num_seen, history.output_counts, block=16)
+    torch.testing.assert_close(ours, expected, rtol=0, atol=0)
+    assert torch.equal(ours[1], logits[1])
 
 
 def test_batch_index_of_inverts_the_row_list():

@@ -9,7 +9,7 @@ from nanovllm import LLM
 
 CLI_DIR = Path(nanovllm_cli.__file__).parent
 # Instance attributes of LLM that belong to its API (its methods and properties are found on the class).
-PUBLIC_LLM_ATTRIBUTES = {"prompts", "tokenizer"}
+PUBLIC_LLM_ATTRIBUTES = {"prompts", "tokenizer", "hf_config"}
 
 
 def cli_modules() -> list[tuple[str, ast.Module]]:
@@ -86,6 +86,8 @@ def test_public_names_exist_and_engine_info_is_complete():
     phases = info.startup_s
     assert {"resolve", "load_weights", "worst_step", "total"} <= set(phases)
     assert 0 <= phases["resolve"] + phases["load_weights"] + phases["worst_step"] <= phases["total"]
+    assert info.pooling is None and nanovllm.pooling_spec("tiny-qwen3") is None  # a generator
+    assert nanovllm.pooling_spec("tiny-qwen3", task="embed").task == "embed"  # what `run --task` reads up front
 
 
 def test_the_cpu_default_batch_is_256():

@@ -456,3 +456,22 @@ def test_a_killed_engine_actor_and_a_killed_engine_cost_no_row(cluster, tmp_path
     assert sorted(r["id"] for r in records) == sorted(r["id"] for r in rows)  # once each
     assert all(r["error"] is None and r["completion_tokens"] == 16 for r in records)
     assert sum(r["rows"] for r in summary["replicas"]) == summary["rows_ok"] == len(rows)
+
+
+def test_run_ray_gives_a_hostile_row_an_error_record_and_runs_the_others(cluster, text_model, tmp_path):
+    """The row that ended a whole Ray job (its own chat template, raising) is one error record; the other rows, in
+    this file and in another, run."""
+    chat = [{"role": "user", "content": "Hi"}]
+    (tmp_path / "in").mkdir()
+    write_jsonl(tmp_path / "in" / "a.jsonl", [{"id": "a1", "prompt": "Once upon a time"},
+                                              {"id": "bad", "messages": chat,
+                                               "chat_template_kwargs": {"chat_template": "{{ 1/0 }}"}},
+                                              {"id": "a2", "messages": chat}])
+    write_jsonl(tmp_path / "in" / "b.jsonl", [{"id": "b1", "prompt_token_ids": [5, 6, 7]}])
+    out = tmp_path / "results.jsonl"
+    result = invoke("run", tmp_path / "in", "--ray", "-o", out, "--model", text_model, *ENGINE_FLAGS, "-q")
+    assert result.exit_code == 1, result.stderr
+    records = {r["id"]: r for shard in sorted(out.glob("part-*")) for r in map(json.loads, shard.read_text().splitlines())}
+    assert set(records) == {"a1", "bad", "a2", "b1"}
+    assert "a row cannot bring a chat template" in records["bad"]["error"]
+    assert all(records[i]["error"] is None and records[i]["completion_tokens"] > 0 for i in ("a1", "a2", "b1"))

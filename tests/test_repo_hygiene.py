@@ -21,16 +21,10 @@ FORBIDDEN = {
 MARKDOWN_ONLY = {"a machine's temporary path": re.compile(r"/tmp/")}
 # Where a pattern is allowed: the benchmarks give the date of each measurement.
 ALLOWED = {("docs/BENCHMARKS.md", "a date of work")}
-# Hits in comments of core/ and kernels/ that wait for their removal, as (path, matched text). Each must still be
-# there: once a file is clean, delete its entries here.
-KNOWN_HITS = {
-    ("kernels/sampling.py", "2026-11-25"),
-    ("kernels/sampling.py", "2026-11-26"),
-}
 
 
 def tracked_text_files() -> dict[str, str]:
-    """Every tracked text file but this one (whose examples and known hits would match)."""
+    """Every tracked text file but this one (whose examples would match)."""
     listed = subprocess.run(["git", "ls-files", "-z"], capture_output=True, text=True, cwd=ROOT)
     if listed.returncode != 0:
         pytest.skip(f"not a git checkout: {listed.stderr.strip()}")
@@ -66,11 +60,7 @@ def test_the_patterns_catch_what_they_stand_for():
 
 def test_the_repository_speaks_of_itself_only():
     hits = [hit for name, text in tracked_text_files().items() for hit in hits_in(name, text)]
-    unexpected = [f"{name}:{line}: {what}: {text!r}" for name, what, line, text in hits
-                  if (name, text) not in KNOWN_HITS]
-    assert not unexpected, "\n".join(unexpected)
-    stale = KNOWN_HITS - {(name, text) for name, _, _, text in hits}
-    assert not stale, f"these files are clean now: remove them from KNOWN_HITS: {sorted(stale)}"
+    assert not hits, "\n".join(f"{name}:{line}: {what}: {matched!r}" for name, what, line, matched in hits)
 
 
 def test_build_warns_of_no_package_missing_from_the_package_list(tmp_path):

@@ -7,7 +7,8 @@ import torch
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.kernels.noise import gumbel_noise
-from nanovllm.layers.sampler import reference_sample, sample
+from nanovllm.layers import logit_controls, sampler
+from nanovllm.layers.sampler import reference_sample, sample, warm_up_logits, warm_up_rows, warm_up_sampling
 from nanovllm.runner.inputs import SamplingTensors
 
 LOGITS = [2.0, 1.5, 1.2, 0.3, 0.0, -0.5, -1.0, -3.0]
@@ -165,3 +166,63 @@ def test_bf16_logits_sample_as_their_float32_widening(all_greedy):
     assert torch.equal(sample(logits, t), sample(logits.float(), t))
     assert torch.equal(sample(logits, t)[0], logits[0].float().argmax())
     assert torch.equal(sample(logits, t), reference_sample(logits, t))
+
+
+def test_warm_up_runs_the_kernels_it_warms_and_they_agree_with_the_torch_paths(monkeypatch):
+    """warm_up_sampling with the kernels forced on (Triton's interpreter on the CPU): every sampler path on both
+    logits dtypes draws the torch path's tokens, the penalties kernel gives the torch path's logits, and the
+    logprobs are log_softmax's."""
+    vocab = 2048
+    cpu = torch.device("cpu")
+    pytest.importorskip("triton")
+    monkeypatch.setattr(sampler, "_use_kernel", lambda logits: True)
+    monkeypatch.setattr(logit_controls, "_use_kernel", lambda logits: True)
+    results = warm_up_sampling(cpu, vocab, torch.bfloat16)
+    monkeypatch.undo()
+    settings = warm_up_rows(cpu, vocab)
+    for dtype in (torch.bfloat16, torch.float32):
+        logits = warm_up_logits(cpu, vocab, dtype)
+        assert torch.equal(results[f"tokens_{str(dtype).removeprefix('torch.')}"], reference_sample(logits, settings))
+    torch_path = warm_up_sampling(cpu, vocab, torch.bfloat16)
+    assert torch.equal(results["penalised_logits"], torch_path["penalised_logits"])
+    assert not torch.equal(results["penalised_logits"], warm_up_logits(cpu, vocab, torch.float32))
+    raw = warm_up_logits(cpu, vocab, torch.bfloat16)
+    expected = torch.log_softmax(raw.float(), dim=-1).max(dim=-1).values
+    torch.testing.assert_close(results["logprobs"], expected, rtol=0, atol=1e-5)
+
+
+def compiled_variants(kernel) -> int:
+    """How many variants of a Triton kernel this process compiled (its per-device caches)."""
+    return sum(len(cache[0]) for cache in kernel.device_caches.values())
+
+
+@pytest.mark.gpu
+def test_gpu_warm_up_leaves_nothing_to_compile_for_a_step():
+    """After warm_up_sampling, what a step's sampling runs (other batch sizes, both logits dtypes, penalties,
+    logprobs) compiles nothing more."""
+    from nanovllm.kernels import penalties, sampling
+
+    device, vocab = torch.device("cuda"), 151936
+    warm_up_sampling(device, vocab, torch.bfloat16)
+    kernels = [sampling._sample_kernel, sampling._sample_wide_kernel, sampling._sample_search_kernel,
+               sampling._logprob_stats_kernel, penalties._penalties_kernel]
+    before = [compiled_variants(kernel) for kernel in kernels]
+    assert all(before), before
+    rows = 37
+    settings = SamplingTensors(
+        temperatures=torch.rand(rows, device=device), top_k=torch.randint(1, 2000, (rows,), device=device),
+        top_p=torch.rand(rows, device=device) * 0.5 + 0.5, min_p=torch.rand(rows, device=device) * 0.1,
+        seeds=torch.arange(rows, device=device), sample_positions=torch.arange(rows, device=device),
+        all_greedy=False, any_filter=True)
+    for dtype in (torch.bfloat16, torch.float32):
+        sample(torch.randn(rows, vocab, device=device).to(dtype), settings)
+    history = logit_controls.TokenHistory.allocate(8, vocab, 8, device)
+    history.reset(3, list(range(100)), [5, 6])
+    logits = torch.randn(6, vocab, device=device)
+    logit_controls.apply_penalties(logits, torch.tensor([2], device=device), torch.tensor([3], device=device),
+                                      history, *(torch.ones(1, device=device),) * 3)
+    raw = torch.randn(3, vocab, device=device, dtype=torch.bfloat16)
+    from nanovllm.layers.logprobs import compute_logprobs
+    compute_logprobs(raw, raw.argmax(dim=-1), 2)
+    torch.cuda.synchronize()
+    assert [compiled_variants(kernel) for kernel in kernels] == before

@@ -39,7 +39,7 @@ def test_mixed_batch_decode_first_then_prefill_chunk():
     sched.add(b)
     batch, planned = step(sched)
     assert planned == [(a.seq_id, 1), (b.seq_id, 9)]
-    assert batch.num_tokens == 10 and not batch.is_pure_decode
+    assert batch.num_tokens == 10 and batch.num_tokens != len(batch)  # not a pure decode step
 
 
 def test_max_num_seqs_caps_running():

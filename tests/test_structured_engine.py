@@ -220,6 +220,7 @@ class _Grammar:
         self.reject = set(reject)
         self.accepted = []
         self.rejected_token = None
+        self.dead_end = False  # some token could always follow here
 
     def accept(self, token_id):
         if token_id in self.reject:
@@ -227,6 +228,9 @@ class _Grammar:
             return False
         self.accepted.append(token_id)
         return True
+
+    def rejection(self):
+        return f"the grammar rejected sampled token {self.rejected_token}"
 
 
 def constrained_scheduler(rows: int, reject=()):

@@ -22,6 +22,14 @@ def compute_block_hash(prefix_hash: int, token_ids: list[int]) -> int:
     return h.intdigest()
 
 
+def chain_start(seq: Sequence) -> int:
+    """The hash a sequence's block chain starts from. The KV of a LoRA adapter's rows is not the base model's nor
+    another adapter's: the adapter's id seeds the chain, so two adapters never share a cached block."""
+    if seq.lora_request is None:
+        return NO_HASH
+    return xxhash.xxh64_intdigest(b"lora" + seq.lora_request.lora_int_id.to_bytes(8, "little"))
+
+
 @dataclass
 class Block:
     block_id: int
@@ -82,7 +90,7 @@ class BlockManager:
 
     @property
     def usage(self) -> float:
-        return len(self.used_blocks) / self.num_blocks
+        return len(self.used_blocks) / self.num_blocks if self.num_blocks else 0.0
 
     def blocks_for(self, num_tokens: int) -> int:
         """Logical blocks (one per group each) that hold `num_tokens` tokens."""
@@ -90,15 +98,17 @@ class BlockManager:
 
     # ---- prefix lookup and allocation -------------------------------------------------------------------
 
-    def match_prefix(self, seq: Sequence) -> list[int]:
-        """The table entries (interleaved by group) of the longest cached prefix of `seq`'s full blocks that
-        every group can serve (no side effects): a global group needs each block of the prefix, a windowed group
-        only those its window reaches from the first position left to compute (the others are NO_BLOCK)."""
+    def match_prefix(self, seq: Sequence, max_blocks: int | None = None) -> list[int]:
+        """The table entries (interleaved by group) of the longest cached prefix of `seq`'s full blocks (at most
+        `max_blocks`) that every group can serve (no side effects): a global group needs each block of the prefix,
+        a windowed group only those its window reaches from the first position left to compute (the others are
+        NO_BLOCK)."""
         if not self.enable_prefix_caching:
             return []
         found: list[list[int]] = []  # per logical block: each group's cached block or NO_BLOCK
-        prefix_hash = NO_HASH
-        for start in range(0, seq.num_tokens - self.block_size + 1, self.block_size):
+        prefix_hash = chain_start(seq)
+        end = seq.num_tokens if max_blocks is None else min(seq.num_tokens, max_blocks * self.block_size)
+        for start in range(0, end - self.block_size + 1, self.block_size):
             token_ids = seq.token_ids[start:start + self.block_size]
             prefix_hash = self.hash_fn(prefix_hash, token_ids)
             row = [self._cached(lookup, prefix_hash, token_ids) for lookup in self.hash_to_block]
@@ -137,13 +147,19 @@ class BlockManager:
             entries += [block_id if index >= start else NO_BLOCK for block_id, start in zip(row, needed_from)]
         return entries
 
-    def admit(self, seq: Sequence, max_new_tokens: int) -> bool:
+    def admit(self, seq: Sequence, max_new_tokens: int, prefix_hits: bool = True) -> bool:
         """Give a waiting `seq` its prefix-cache hits and slots for up to `max_new_tokens` tokens after them, or
         return False (and change nothing) when the free blocks do not suffice. Sets `num_computed_tokens` to the
-        tokens the hits serve; at least one token is left to compute."""
-        # A request for prompt logprobs needs the logits of every prompt position: it takes no hits.
-        return self._place(seq, self.match_prefix(seq) if seq.params.prompt_logprobs is None else [],
-                           max_new_tokens, lookup=True)
+        tokens the hits serve; at least one token is left to compute. `prefix_hits` False: none (a pooling row
+        pooled over every position needs each one's hidden state)."""
+        limit = self._hit_limit(seq)
+        hits = self.match_prefix(seq, limit) if prefix_hits and limit != 0 else []
+        return self._place(seq, hits, max_new_tokens, lookup=True)
+
+    def _hit_limit(self, seq: Sequence) -> int | None:
+        """The most blocks of `seq` another sequence's KV may serve: a request for prompt logprobs needs the
+        logits of every prompt position from `prompt_logprobs_from` on, so only blocks wholly before it."""
+        return None if seq.params.prompt_logprobs is None else seq.prompt_logprobs_from // self.block_size
 
     def fork(self, parent: Sequence, child: Sequence, max_new_tokens: int) -> bool:
         """Admit a waiting `child` (a sibling completion of the same prompt) onto `parent`'s computed full prompt
@@ -151,8 +167,9 @@ class BlockManager:
         recomputes the prompt's last partial block (at least its last token, for its own logits) into a fresh
         block instead of copying it. False (nothing changed) when the free blocks do not suffice."""
         num_shared = min(parent.num_computed_tokens, parent.num_prompt_tokens) // self.block_size
-        if child.params.prompt_logprobs is not None:
-            num_shared = 0
+        limit = self._hit_limit(child)
+        if limit is not None:
+            num_shared = min(num_shared, limit)
         groups = self.num_groups
         found = [parent.block_table[i * groups:(i + 1) * groups] for i in range(num_shared)]
         return self._place(child, self._usable_prefix(found, child.num_tokens), max_new_tokens, lookup=False)
@@ -181,7 +198,7 @@ class BlockManager:
             block.ref_count += 1
         seq.num_shared_kv_tokens = num_hit_blocks * self.block_size
         seq.num_hashed_blocks = num_hit_blocks if lookup else 0
-        seq.hashed_prefix = self.blocks[hits[-1]].hash if lookup and hits else NO_HASH  # the last is never NO_BLOCK
+        seq.hashed_prefix = self.blocks[hits[-1]].hash if lookup and hits else chain_start(seq)  # hits[-1]: a block
         seq.num_computed_tokens = num_computed
         if self.enable_prefix_caching and lookup:
             self.stats.lookups += 1

@@ -12,8 +12,9 @@ from nanovllm.engine.block_manager import NO_HASH, BlockManager, compute_block_h
 from nanovllm.engine.sequence import Sequence
 from nanovllm.kv_groups import plan_kv_groups
 from nanovllm.loaders import resolve_model
-from nanovllm.models.geometry import kv_block_bytes, layer_windows
+from nanovllm.models.geometry import kv_block_bytes, kv_heads_per_rank, layer_windows
 from nanovllm.models.registry import model_class_for
+from nanovllm.pooling import PoolingSpec, resolve_task
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.tokenization import PromptTokenizer
 
@@ -46,23 +47,34 @@ def plan_kv_cache(model: str | None = None, num_blocks: int | None = None, **eng
     limit = hf.max_position_embeddings
     device = config.resolve_device()
     check_fp8_kv_supported(config.kv_cache_dtype, device)
+    pooling = resolve_task(hf, resolved.directory, config.runner, config.task)
     kv_dtype = config.resolve_kv_cache_dtype(device)
     groups = plan_kv_groups(layer_windows(hf))
-    bytes_per_block = kv_block_bytes(hf, config.block_size, kv_dtype.itemsize, hf.num_key_value_heads, groups.width)
+    bytes_per_block = kv_block_bytes(hf, config.block_size, kv_dtype.itemsize, kv_heads_per_rank(hf), groups.width)
     if num_blocks is not None:
         source = "given (num_blocks)"
     elif device.type == "cpu":
         num_blocks, source = config.cpu_kv_cache_bytes // bytes_per_block, "the CPU KV budget (cpu_kv_cache_bytes)"
     else:
         with torch.device("meta"):
-            params = sum(p.numel() for p in model_class_for(hf)(hf).parameters())
+            params = sum(p.numel() for p in model_class_for(hf, pooling.model_kind if pooling else "generate")(hf)
+                         .parameters())
         weights = params * config.resolve_dtype(device).itemsize
         total = torch.cuda.get_device_properties(device).total_memory
         num_blocks = max(int(total * config.gpu_memory_utilization - weights) // bytes_per_block, 1)
         source = "GPU memory x gpu_memory_utilization - weights (activations not counted: an upper bound)"
-    return KVCachePlan(resolved.name, PromptTokenizer.for_model(resolved),
+    return KVCachePlan(resolved.name, PromptTokenizer.for_model(resolved, pooling),
                        config.max_model_len or limit, config.block_size, str(kv_dtype).removeprefix("torch."),
                        kv_dtype.itemsize, bytes_per_block, num_blocks, source, groups.windows)
+
+
+def pooling_spec(model: str | None = None, **engine_args) -> PoolingSpec | None:
+    """How `LLM(model, **engine_args)` would pool (its task, outputs, input rules), or None where it would
+    generate; from the model's config and sentence-transformers files alone. Raises ValueError / OSError for bad
+    arguments, a model that cannot be resolved, or a task it cannot run."""
+    config = EngineConfig.from_kwargs(**{"load_format": "dummy", **engine_args})
+    resolved = resolve_model(model, config.load_format, config.revision)
+    return resolve_task(resolved.hf_config, resolved.directory, config.runner, config.task)
 
 
 def block_hashes(token_ids: list[int], block_size: int) -> list[int]:

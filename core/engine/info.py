@@ -9,6 +9,7 @@ import torch
 from nanovllm.distributed import tp_size
 from nanovllm.models.costs import WeightCosts, weight_costs
 from nanovllm.models.geometry import head_dim_of, kv_block_bytes, kv_heads_per_rank
+from nanovllm.pooling import PoolingSpec
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,9 @@ class EngineInfo:
     # Seconds of each phase of `LLM()` (model and tokenizer resolution, weights, the worst step measured before
     # the cache is sized, CUDA graph capture) and their total.
     startup_s: dict[str, float]
+    max_loras: int = 0  # LoRA adapters resident on the device at once (0: no LoRA)
+    max_lora_rank: int = 0
+    pooling: PoolingSpec | None = None  # a pooling model's task, pooling and outputs; None for a generator
 
 
 def model_costs(hf_config, model: torch.nn.Module, kv_cache_dtype: torch.dtype) -> CostModel:

@@ -4,20 +4,30 @@ import dataclasses
 import itertools
 import random
 import sys
+import threading
 import time
 from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
 from nanovllm.config import EngineConfig
 from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.choice_scores import ChoicesAPI
 from nanovllm.engine.info import EngineInfo, model_costs
 from nanovllm.engine.outputs import OutputAssembler, RequestOutput
+from nanovllm.engine.pooling_api import PoolingAPI
+from nanovllm.engine.pooling_outputs import PoolingOutputAssembler, PoolingRequestOutput
+from nanovllm.engine.pooling_scheduler import PoolingScheduler
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.stats import EngineStats
 from nanovllm.engine.step_loop import StepLoop
 from nanovllm.engine.stop_strings import StopStringDetector
 from nanovllm.loaders import resolve_model
+from nanovllm.lora import LoRARequest
+from nanovllm.lora.manager import LoRAManager
+from nanovllm.pooling import resolve_task
+from nanovllm.pooling_params import PoolingParams
+from nanovllm.quoting import quoted
 from nanovllm.runner.logit_controls import HISTORY_WINDOW
 from nanovllm.runner.model_runner import ModelRunner
 from nanovllm.runner.tp_workers import TPRunner, TPWorkerError, start_workers
@@ -41,36 +51,52 @@ class StepFailedError(RuntimeError):
         self.engine_usable = engine_usable
 
 
-class LLM:
-    """Offline batch generation: `generate`/`chat` for whole batches, or `add_request` + `step` to stream."""
+class LLM(PoolingAPI, ChoicesAPI):
+    """Offline batch generation: `generate`/`chat` for whole batches, or `add_request` + `step` to stream. A
+    pooling model (an embedding or classification checkpoint, or `runner="pooling"` / `task=...`) runs
+    `embed` / `classify` / `score` / `reward` instead (engine/pooling_api.py). `score_choices` /
+    `add_choices_request` score candidate continuations of a prompt (engine/choice_scores.py)."""
 
     def __init__(self, model: str | None = None, **engine_args):
         started = time.perf_counter()
         self._runner: ModelRunner | None = None
         self._workers = None
+        self._batch_lock = threading.Lock()  # generate / chat from several threads run one after another
         self._grammars: GrammarCompileCache | None = None  # made on the first constrained request
         self.config = EngineConfig.from_kwargs(**engine_args)
         resolved = resolve_model(model, self.config.load_format, self.config.revision)
         self.model_name = resolved.name
         self.hf_config = resolved.hf_config
-        self.prompts = PromptTokenizer.for_model(resolved)
+        # The pooling spec of a pooling model (its task, pooling, outputs), None for a generator.
+        self.pooling = resolve_task(self.hf_config, resolved.directory, self.config.runner, self.config.task)
+        self.prompts = PromptTokenizer.for_model(resolved, self.pooling)
         self.tokenizer = self.prompts.tokenizer
-        self._outputs = OutputAssembler(self.tokenizer)
+        self._outputs = OutputAssembler(self.tokenizer) if self.pooling is None else PoolingOutputAssembler(self.pooling)
         self.max_model_len = self._max_model_len()
         self._startup_s = {"resolve": time.perf_counter() - started}
-        self._workers = start_workers(self.config, resolved, self.max_model_len)  # tensor-parallel ranks 1..N-1
+        self._workers = start_workers(self.config, resolved, self.max_model_len,  # tensor-parallel ranks 1..N-1
+                                      self.pooling)
         try:
             with self._workers.guard() if self._workers else nullcontext():  # a worker's error, not a broken collective
-                self._runner = ModelRunner(self.config, resolved, self.max_model_len, sorted(self._eos_token_ids()))
+                self._runner = ModelRunner(self.config, resolved, self.max_model_len, sorted(self._eos_token_ids()),
+                                           self.pooling)
         except BaseException:
             self.exit()
             raise
         self._startup_s.update(self._runner.startup_s)
+        self._lora = (LoRAManager(self.config.max_loras, self.config.max_lora_rank, self._runner.check_adapter)
+                      if self.config.enable_lora else None)
         self._block_manager = BlockManager(self._runner.num_kv_blocks, self.config.block_size,
                                            self.config.enable_prefix_caching, windows=self._runner.kv_groups.windows)
-        self._scheduler = Scheduler(self._block_manager, self._runner.max_num_seqs,
-                                    self.config.max_num_batched_tokens, self.max_model_len, self._eos_token_ids(),
-                                    StopStringDetector(self.tokenizer) if self.tokenizer is not None else None)
+        if self.pooling is not None:
+            self._scheduler = PoolingScheduler(self._block_manager, self._runner.max_num_seqs,
+                                               self.config.max_num_batched_tokens, self.max_model_len,
+                                               self.pooling.pooling, keeps_kv=not self.pooling.encoder)
+        else:
+            self._scheduler = Scheduler(self._block_manager, self._runner.max_num_seqs,
+                                        self.config.max_num_batched_tokens, self.max_model_len, self._eos_token_ids(),
+                                        StopStringDetector(self.tokenizer) if self.tokenizer is not None else None,
+                                        self._lora)
         self._loop = StepLoop(self._scheduler,
                               TPRunner(self._runner, self._workers) if self._workers else self._runner,
                               self._new_stats(), self.config.async_scheduling)
@@ -80,12 +106,12 @@ class LLM:
         self._startup_s["total"] = time.perf_counter() - started
 
     def _max_model_len(self) -> int:
-        limit = self.hf_config.max_position_embeddings
+        limit = self.hf_config.max_position_embeddings if self.pooling is None else self.pooling.max_input_len
         if self.config.max_model_len is None:
             return limit
         if self.config.max_model_len > limit:
             raise ValueError(f"engine argument max_model_len={self.config.max_model_len} exceeds the model's "
-                             f"max_position_embeddings={limit}")
+                             f"{'max_position_embeddings' if self.pooling is None else 'longest input'}={limit}")
         return self.config.max_model_len
 
     def _eos_token_ids(self) -> set[int]:
@@ -103,10 +129,21 @@ class LLM:
     def apply_chat_template(self, conversation: list[dict]) -> list[int]:
         return self.prompts.apply_chat_template(conversation)
 
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    prompt_token_ids: list[int] | None = None) -> str:
-        """Queue one request; raises ValueError (and queues nothing) when the request is invalid or can never fit."""
+    def add_request(self, prompt: Prompt, params: SamplingParams | PoolingParams | None = None,
+                    request_id: str | None = None, prompt_token_ids: list[int] | None = None,
+                    lora_request: LoRARequest | None = None) -> str:
+        """Queue one request; raises ValueError (and queues nothing) when the request is invalid or can never fit.
+        A pooling model's request takes PoolingParams (or None: the model's task). `lora_request`: the LoRA
+        adapter a generated request runs with (an engine made with enable_lora=True; None: the base model)."""
         self._check_usable()
+        if self.pooling is not None or isinstance(params, PoolingParams):
+            if lora_request is not None:
+                raise ValueError("lora_request applies to generated requests, not to pooling ones")
+            return self._add_pooling_request(prompt, params, request_id, prompt_token_ids)
+        if lora_request is not None:
+            if self._lora is None:
+                raise ValueError("lora_request needs an engine made with enable_lora=True")
+            self._lora.validate(lora_request)
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling params must be a SamplingParams")
@@ -125,7 +162,7 @@ class LLM:
         if count > params.n and params.logprobs is None:  # best_of ranks by cumulative logprob
             params = dataclasses.replace(params, logprobs=0)
         seq = Sequence(seq_id, str(seq_id) if request_id is None else request_id, token_ids, params, seed,
-                       prompt if isinstance(prompt, str) else None)
+                       prompt if isinstance(prompt, str) else None, lora_request)
         if params.bad_words:
             seq.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
         error = self._scheduler.capacity_error(seq)
@@ -134,7 +171,7 @@ class LLM:
         seqs = [seq]
         for index in range(1, count):  # siblings share the prompt's blocks once it is computed (BlockManager.fork)
             child = Sequence(next(self._seq_ids), seq.request_id, token_ids, params, (seed + index) % 2**63,
-                             seq.prompt)
+                             seq.prompt, lora_request)
             child.parent, child.completion_index = seq, index
             child.bad_words_token_ids = seq.bad_words_token_ids
             seqs.append(child)
@@ -167,7 +204,7 @@ class LLM:
             spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
             for ids in (plain, spaced) if spaced[0] != plain[0] and len(spaced) == len(plain) else (plain,):
                 if len(ids) > HISTORY_WINDOW + 1:
-                    raise ValueError(f"SamplingParams.bad_words: {word!r} is {len(ids)} tokens, more than "
+                    raise ValueError(f"SamplingParams.bad_words: {quoted(word)} is {len(ids)} tokens, more than "
                                      f"{HISTORY_WINDOW + 1}")
                 words_ids.append(ids)
         return words_ids
@@ -175,7 +212,7 @@ class LLM:
     def has_unfinished_requests(self) -> bool:
         return self._loop.has_work()
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput] | list[PoolingRequestOutput]:
         """One iteration of the step loop; returns the requests that finished in it. Raises StepFailedError
         when the step fails: every unfinished request is then aborted, and the engine is left clean or unusable,
         never in between; TPWorkerError when a tensor-parallel worker died or raised (the engine is stopped)."""
@@ -248,13 +285,16 @@ class LLM:
             max_batch_size=runner.max_batch_size, decode_batch_sizes=runner.decode_batch_sizes,
             cuda_graphs=runner.graphs is not None, prefix_caching=config.enable_prefix_caching,
             quantization=runner.fp8.name if runner.fp8 is not None else None,
-            costs=model_costs(self.hf_config, runner.model, runner.kv_cache_dtype), startup_s=dict(self._startup_s))
+            costs=model_costs(self.hf_config, runner.model, runner.kv_cache_dtype), startup_s=dict(self._startup_s),
+            max_loras=config.max_loras if config.enable_lora else 0,
+            max_lora_rank=config.max_lora_rank if config.enable_lora else 0, pooling=self.pooling)
 
     def report(self) -> dict:
         """`get_stats()`, `get_metrics()` and live token counters in one dict: {"steps", "kv_cache", "tokens"}."""
         stats = self.stats
         # Every decode token yields one output token; a request's first output token comes from its prefill.
-        tokens = {"prefill": stats.prefill_tokens, "generated": stats.decode_tokens + stats.requests}
+        tokens = {"prefill": stats.prefill_tokens,
+                  "generated": stats.decode_tokens + stats.requests if self.pooling is None else 0}
         return {"steps": self.get_stats(), "kv_cache": self.get_metrics(), "tokens": tokens}
 
     def get_stats(self) -> dict:
@@ -264,14 +304,17 @@ class LLM:
     # ---- batch API -----------------------------------------------------------------------------------------------
 
     def generate(self, prompts: Prompt | list[Prompt],
-                 sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
-        """One output per prompt, in order. An invalid prompt gets an output with `error` set; the rest run."""
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """One output per prompt, in order. An invalid prompt gets an output with `error` set; the rest run.
+        `lora_request`: the LoRA adapter of every prompt, or one per prompt (None: the base model)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        return self._run_batch([(p, None) for p in prompts], sampling_params)
+        return self._run_batch([(p, None) for p in prompts], sampling_params, lora_request)
 
     def chat(self, conversations: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+             sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Like `generate`, each conversation rendered through the tokenizer's chat template."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
@@ -281,22 +324,33 @@ class LLM:
                 items.append((None, self.apply_chat_template(conversation)))
             except ValueError as exc:
                 items.append((exc, None))
-        return self._run_batch(items, sampling_params)
+        return self._run_batch(items, sampling_params, lora_request)
 
-    def _run_batch(self, items: list[tuple], sampling_params) -> list[RequestOutput]:
+    def _run_batch(self, items: list[tuple], sampling_params, lora_requests) -> list[RequestOutput]:
+        if self.pooling is not None:
+            raise ValueError(f"model {self.model_name!r} runs as a pooling model (task {self.pooling.task!r}): use "
+                             "LLM.embed / classify / score / reward")
+        with self._batch_lock:  # a batch collects every output the engine gives: one batch at a time
+            return self._run_one_batch(items, sampling_params, lora_requests)
+
+    def _run_one_batch(self, items: list[tuple], sampling_params, lora_requests) -> list[RequestOutput]:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(items)
         if len(sampling_params) != len(items):
             raise ValueError(f"got {len(sampling_params)} sampling params for {len(items)} prompts")
+        if not isinstance(lora_requests, list):
+            lora_requests = [lora_requests] * len(items)
+        if len(lora_requests) != len(items):
+            raise ValueError(f"got {len(lora_requests)} LoRA requests for {len(items)} prompts")
         outputs: dict[str, RequestOutput] = {}
         request_ids = []
-        for index, ((prompt, token_ids), params) in enumerate(zip(items, sampling_params)):
+        for index, ((prompt, token_ids), params, lora) in enumerate(zip(items, sampling_params, lora_requests)):
             request_id = f"batch-{next(self._seq_ids)}"
             request_ids.append(request_id)
             try:
                 if isinstance(prompt, Exception):
                     raise prompt
-                self.add_request(prompt, params, request_id, prompt_token_ids=token_ids)
+                self.add_request(prompt, params, request_id, prompt_token_ids=token_ids, lora_request=lora)
             except ValueError as exc:
                 outputs[request_id] = RequestOutput(request_id, prompt if isinstance(prompt, str) else None, [],
                                                     None, [], "error", 0, 0, error=f"prompt {index}: {exc}")

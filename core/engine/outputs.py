@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from nanovllm.engine.logprob_records import PositionLogprobs, TokenTexts, output_logprobs
@@ -61,6 +62,7 @@ class _Group:
     params: SamplingParams
     seqs: list[Sequence]
     finished: list[Sequence]
+    build: Callable[[list[RequestOutput]], object] | None = None  # the request's output from its sequences'
 
 
 class OutputAssembler:
@@ -69,9 +71,11 @@ class OutputAssembler:
         self._token_texts = TokenTexts(tokenizer) if tokenizer is not None else None
         self._groups: dict[str, _Group] = {}  # request id -> its completions, for n / best_of > 1
 
-    def add_group(self, params: SamplingParams, seqs: list[Sequence]) -> None:
-        """The sequences of one request with n / best_of > 1 (`params` as the user gave them)."""
-        self._groups[seqs[0].request_id] = _Group(params, seqs, [])
+    def add_group(self, params: SamplingParams, seqs: list[Sequence],
+                  build: Callable[[list[RequestOutput]], object] | None = None) -> None:
+        """The sequences of one request with n / best_of > 1 (`params` as the user gave them), or whose output
+        `build` makes from their outputs, in completion-index order (choice scores: engine/choice_scores.py)."""
+        self._groups[seqs[0].request_id] = _Group(params, seqs, [], build)
 
     def clear(self) -> None:
         """Forget every unfinished group (its requests were aborted)."""
@@ -126,6 +130,8 @@ class OutputAssembler:
         """One output for the n completions of a request: in index order, or the n of highest cumulative
         logprob, best first, under best_of."""
         seqs = sorted(group.finished, key=lambda s: s.completion_index)
+        if group.build is not None:
+            return group.build([self._output(seq, stats) for seq in seqs])
         if len(seqs) > group.params.n:
             seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[:group.params.n]
         outputs = [self._output(seq, stats) for seq in seqs]

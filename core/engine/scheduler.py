@@ -14,11 +14,8 @@ from nanovllm.kv_groups import max_blocks_held
 from nanovllm.step_types import ScheduledBatch, StepLogprobs
 
 if TYPE_CHECKING:
+    from nanovllm.lora.manager import LoRAManager
     from nanovllm.structured import RowGrammar
-
-
-def _rejected(token_id: int) -> str:
-    return f"structured_outputs: the grammar rejected sampled token {token_id}"
 
 
 @dataclass
@@ -52,8 +49,10 @@ class Scheduler:
     N+1 before step N's tokens are known; `postprocess` commits steps in the order they were scheduled."""
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, eos_token_ids: set[int], stop_strings: StopStringDetector | None = None):
+                 max_model_len: int, eos_token_ids: set[int], stop_strings: StopStringDetector | None = None,
+                 lora: LoRAManager | None = None):
         self.block_manager = block_manager
+        self.lora = lora  # LoRA adapters' device slots (None: the engine runs the base model only)
         self.stop_strings = stop_strings  # needs the tokenizer; a model without one has no stop strings
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -102,6 +101,8 @@ class Scheduler:
             batch = self._schedule()
         if batch:
             batch.released_seq_ids, self._released = self._released, []
+            if self.lora is not None:
+                batch.lora_loads = self.lora.take_loads()
             if self._num_constrained:
                 self._note_grammars(batch)
         return batch
@@ -218,10 +219,14 @@ class Scheduler:
         preempted = self.num_preemptions != preemptions_before
 
         # Admitting new work right after a preemption would only thrash the cache. A sequence whose constraint
-        # is still compiling keeps its place in the queue and the ones behind it are admitted.
+        # is still compiling, or whose LoRA adapter cannot get a slot yet, keeps its place in the queue and the
+        # ones behind it are admitted.
         compiling: list[Sequence] = []
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if self.lora is not None and not self.lora.can_admit(seq):
+                compiling.append(self.waiting.popleft())
+                continue
             if seq.grammar is None and seq.grammar_future is not None:
                 if not seq.grammar_future.ready():
                     compiling.append(self.waiting.popleft())
@@ -238,6 +243,8 @@ class Scheduler:
             elif not self.block_manager.admit(seq, budget):
                 break
             self.waiting.popleft()
+            if self.lora is not None:
+                self.lora.admit(seq)
             self._running_version += 1
             self._num_constrained += seq.grammar is not None
             batch.table_changed.append(seq)
@@ -300,6 +307,8 @@ class Scheduler:
         In-flight steps may still write into the freed blocks; they run before any later step on the device, and
         their results for `seq` are dropped (new epoch), so nothing they write is committed or hashed."""
         self.block_manager.free(seq)
+        if self.lora is not None:
+            self.lora.release(seq)
         seq.preempt()  # its grammar stays: it has accepted (or queued) exactly the committed output tokens
         self._num_constrained -= seq.grammar is not None
         self._running_version += 1
@@ -327,15 +336,15 @@ class Scheduler:
             if grammar is None:
                 reason = self._stop_reason(seq, token_id)
             elif grammar.rejected_token is not None:  # a deferred accept failed
-                self._finish(seq, "error", _rejected(grammar.rejected_token))
+                self._finish_rejected(seq, grammar)
                 continue
             else:  # the mask allows a stop id only where the grammar is complete: it ends the row (ignore_eos too)
                 reason = "stop" if token_id in grammar.stop_token_ids else self._stop_reason(seq, token_id)
                 if not reason:  # the row goes on: its accept can wait for the next step's masks
                     self._deferred_accepts.append((grammar, token_id))
                     continue
-                if not grammar.accept(token_id):  # the mask allows only acceptable tokens: an engine bug
-                    self._finish(seq, "error", _rejected(token_id))
+                if not grammar.accept(token_id):  # the mask allows only acceptable tokens, if any
+                    self._finish_rejected(seq, grammar)
                     continue
             if reason:
                 self._finish(seq, reason)
@@ -369,11 +378,19 @@ class Scheduler:
             return "length"
         return None
 
+    def _finish_rejected(self, seq: Sequence, grammar: RowGrammar) -> None:
+        """A constrained row whose sampled token its grammar refused: the request's fault (400) where no token could
+        follow, else an engine bug."""
+        self._finish(seq, "error", grammar.rejection())
+        seq.invalid_request = grammar.dead_end
+
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.error = error
         self.block_manager.free(seq)
+        if self.lora is not None:
+            self.lora.release(seq)
         self.running.remove(seq)
         self._num_constrained -= seq.grammar is not None
         self._num_finished += 1
@@ -390,6 +407,8 @@ class Scheduler:
         for seq in self.running:
             self.block_manager.free(seq)
             self._released.append(seq.seq_id)
+        if self.lora is not None:
+            self.lora.abort(self.running)
         for seq in aborted:
             seq.status = SequenceStatus.FINISHED
             if self.stop_strings is not None and seq.params.stop:

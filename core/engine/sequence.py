@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 from nanovllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from nanovllm.lora import LoRARequest
+    from nanovllm.pooling_params import RowPooling
     from nanovllm.structured import CompileFuture, RowGrammar
 
 
@@ -29,6 +31,9 @@ class Sequence:
     `num_shared_kv_tokens` lie in prefix-cache blocks that are already complete, so their KV must not be written
     again (a whole prompt hit the cache and its last token is recomputed). `epoch` changes on preemption, so the
     results of steps scheduled before it are recognised and dropped.
+
+    A pooling row (`pooling` set, engine/pooling_scheduler.py) is a prompt that is only prefilled: it never
+    samples, and its pooled output (`pooled`, host memory) is set when its last chunk is committed.
     """
 
     __slots__ = ("seq_id", "request_id", "prompt", "token_ids", "num_prompt_tokens", "params", "max_len",
@@ -37,10 +42,12 @@ class Sequence:
                  "num_prefix_hit_tokens", "num_preemptions", "finish_reason", "error", "invalid_request", "stop_text",
                  "arrival_time", "first_token_time", "finish_time", "grammar_future", "grammar", "output_logprobs",
                  "prompt_logprob_spans", "cumulative_logprob", "stop_reason", "parent", "completion_index",
-                 "bad_words_token_ids")
+                 "bad_words_token_ids", "lora_request", "lora_slot", "pooling", "token_type_ids", "pooled",
+                 "prompt_logprobs_from")
 
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 sampling_seed: int, prompt: str | None = None):
+                 sampling_seed: int, prompt: str | None = None, lora_request: LoRARequest | None = None,
+                 pooling: RowPooling | None = None, token_type_ids: list[int] | None = None):
         self.seq_id = seq_id
         self.request_id = request_id
         self.prompt = prompt
@@ -68,6 +75,8 @@ class Sequence:
         self.parent: Sequence | None = None  # a sibling completion (n / best_of) whose prompt blocks it shares
         self.completion_index = 0
         self.bad_words_token_ids: list[list[int]] = []  # params.bad_words tokenized (LLM.add_request)
+        self.lora_request = lora_request  # the adapter it runs with (None: the base model)
+        self.lora_slot = -1  # the device slot of its adapter while it runs (lora/manager.py); -1: none
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
@@ -79,6 +88,12 @@ class Sequence:
         self.output_logprobs: list | None = [] if params.logprobs is not None else None
         self.prompt_logprob_spans: list | None = [] if params.prompt_logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+        self.pooling = pooling  # a pooling row's rule (pooling_params.py); None for a generated sequence
+        self.token_type_ids = token_type_ids  # a pair input's token types (BERT cross-encoders), else None
+        self.pooled = None  # a pooling row's output vector (a host tensor), once computed
+        # With prompt_logprobs: the first prompt position whose logits are needed (the KV of blocks wholly before
+        # it may come from the prefix cache or a parent; engine/choice_scores.py); 0: every position.
+        self.prompt_logprobs_from = 0
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -53,7 +53,9 @@ class StepLoop:
         iteration after the scheduler runs dry."""
         batch, schedule_s = self._schedule()
         launched = self._launch(batch, schedule_s) if batch else None
-        finished: list[Sequence] = []
+        # Requests finished while scheduling (a constraint that failed its compile) leave with a step's
+        # postprocess; with no step scheduled, nothing else would take them.
+        finished: list[Sequence] = self.scheduler.take_finished() if launched is None else []
         if launched is not None and launched.handle is None:
             if self.in_flight is not None:  # its tokens are what this step's masks depend on
                 finished += self._finish(self.in_flight)

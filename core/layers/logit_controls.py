@@ -7,27 +7,40 @@ controls pay nothing.
 
 Per-row state lives on the device and is addressed by *entries* rather than per-row Python:
 
-- Token history (`TokenHistory`): dense per-slot tables for the rows that need their tokens (repetition /
-  presence / frequency penalties, bad words), in a pool of slots sized by the engine (not by the batch):
-  output token counts int32 [slots, vocab], prompt-token mask bool [slots, vocab], the last `window` output tokens
-  and the output length. At vocab 151,936 a slot costs 0.76 MB, so a pool of 64 slots is 49 MB, where a table for
-  all 512 rows would be 389 MB; rows without such controls hold no slot. A sparse (row, token, count) table would
-  save memory but cost a sort or hash per step to update; dense slots update with one scatter-add per step
-  (`record`) and apply with one gather.
+- Token history (`TokenHistory`): per-slot tables for the rows that need their tokens (repetition / presence /
+  frequency penalties, bad words), in a pool of slots sized by the engine (not by the batch): output token counts
+  int32 [slots, vocab] and a prompt-token mask bool [slots, vocab] (looked up by token), the list of the slot's
+  distinct seen tokens (prompt and output) int32 [slots, vocab + 1] with its length, the last `window` output
+  tokens and the output length. Penalties touch only the listed tokens (`kernels/penalties.py` on CUDA): a step
+  costs what the histories hold, not the vocabulary. At vocab 151,936 a slot costs 1.4 MB, so a pool of 64 slots
+  is 87 MB; rows without such controls hold no slot. `record` updates with a scatter-add and an append per step.
 - Sparse controls (logit_bias, allowed_token_ids, min_tokens' stop ids, bad words) are flat entry lists
   (batch row, token[, value]) that the engine keeps as device tensors keyed by its persistent row ids and maps to
   this step's batch rows on the device (`batch_index_of`), rebuilding them only when requests join or leave.
 """
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
 def _check_float32(logits: torch.Tensor) -> None:
     if logits.dtype != torch.float32:
         raise TypeError(f"logits must be float32 for logit controls, got {logits.dtype}")
+
+
+def upload(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host values on the device without waiting for the work queued there: the driver stages a pageable copy at
+    once, where a blocking one would first synchronise the stream (stalling the async loop at every join)."""
+    return torch.as_tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
+def _use_kernel(logits: torch.Tensor) -> bool:
+    return logits.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
 
 
 def batch_index_of(batch_rows: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -39,10 +52,14 @@ def batch_index_of(batch_rows: torch.Tensor, num_rows: int) -> torch.Tensor:
 
 @dataclass
 class TokenHistory:
-    """Device token history of the rows holding a slot (see the module docstring for the memory choice)."""
+    """Device token history of the rows holding a slot (see the module docstring for the layout)."""
 
     output_counts: torch.Tensor  # int32 [slots, vocab]
     prompt_mask: torch.Tensor  # bool [slots, vocab]
+    # int32 [slots, vocab + 1]: the first num_seen are the distinct tokens of the prompt and the output (the extra
+    # entry takes `record`'s write of a token already listed when every token is)
+    seen_tokens: torch.Tensor
+    num_seen: torch.Tensor  # int32 [slots]
     recent: torch.Tensor  # int64 [slots, window]: the last output tokens, oldest first, -1 before the first
     output_lens: torch.Tensor  # int64 [slots]
 
@@ -50,6 +67,8 @@ class TokenHistory:
     def allocate(cls, num_slots: int, vocab_size: int, window: int, device: torch.device) -> TokenHistory:
         return cls(output_counts=torch.zeros(num_slots, vocab_size, dtype=torch.int32, device=device),
                    prompt_mask=torch.zeros(num_slots, vocab_size, dtype=torch.bool, device=device),
+                   seen_tokens=torch.zeros(num_slots, vocab_size + 1, dtype=torch.int32, device=device),
+                   num_seen=torch.zeros(num_slots, dtype=torch.int32, device=device),
                    recent=torch.full((num_slots, window), -1, dtype=torch.int64, device=device),
                    output_lens=torch.zeros(num_slots, dtype=torch.int64, device=device))
 
@@ -57,22 +76,36 @@ class TokenHistory:
     def window(self) -> int:
         return self.recent.shape[1]
 
-    def reset(self, slot: int, prompt_ids: torch.Tensor, output_ids: torch.Tensor | None = None) -> None:
-        """Give a slot to a request (once, when it joins): its prompt, and any output it already has."""
+    def reset(self, slot: int, prompt_ids: Sequence[int], output_ids: Sequence[int] = ()) -> None:
+        """Give a slot to a request (once, when it joins): its prompt, and any output it already has (a request
+        that resumes). The tables are built on the host and uploaded in one copy that does not wait for the
+        device."""
+        prompt = np.asarray(prompt_ids, dtype=np.int64)
+        output = np.asarray(output_ids, dtype=np.int64)
+        seen = np.unique(np.concatenate([prompt, output]))
+        output_tokens, counts = np.unique(output, return_counts=True)
+        prompt_tokens = np.unique(prompt)
+        tail = np.full(self.window, -1, dtype=np.int64)
+        if len(output):
+            tail[self.window - min(len(output), self.window):] = output[-self.window:]
+        parts = (output_tokens, counts, prompt_tokens, seen, tail)
+        payload = upload(np.concatenate(parts), torch.int64, self.output_counts.device)
+        output_tokens, counts, prompt_tokens, seen, tail = payload.split([len(part) for part in parts])
         self.output_counts[slot].zero_()
+        self.output_counts[slot, output_tokens] = counts.to(torch.int32)
         self.prompt_mask[slot].zero_()
-        self.prompt_mask[slot, prompt_ids] = True
-        self.recent[slot].fill_(-1)
-        self.output_lens[slot] = 0
-        if output_ids is not None and len(output_ids):  # a request that resumes with output
-            vocab = self.output_counts.shape[1]
-            self.output_counts[slot] = torch.bincount(output_ids, minlength=vocab).to(torch.int32)
-            tail = output_ids[-self.window:]
-            self.recent[slot, self.window - len(tail):] = tail
-            self.output_lens[slot] = len(output_ids)
+        self.prompt_mask[slot, prompt_tokens] = True
+        self.seen_tokens[slot, :len(seen)] = seen.to(torch.int32)
+        self.num_seen[slot] = len(seen)
+        self.recent[slot] = tail
+        self.output_lens[slot] = len(output)
 
     def record(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
-        """Append one sampled token per slot (distinct slots): one scatter-add, no host sync."""
+        """Append one sampled token per slot (distinct slots): a few scatters, no host sync. A token new to the
+        slot joins its seen list (every token is written past the list's end; only a new one extends it)."""
+        new = (self.output_counts[slots, token_ids] == 0) & ~self.prompt_mask[slots, token_ids]
+        self.seen_tokens[slots, self.num_seen[slots].long()] = token_ids.to(torch.int32)
+        self.num_seen[slots] += new.to(torch.int32)
         self.output_counts.index_put_((slots, token_ids), torch.ones_like(token_ids, dtype=torch.int32),
                                       accumulate=True)
         self.recent[slots] = torch.cat([self.recent[slots, 1:], token_ids.unsqueeze(1)], dim=1)
@@ -85,16 +118,25 @@ def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, slots: torch.Tenso
 
     Repetition (HF / CTRL): a token seen in the prompt or the output has a positive logit divided by the penalty,
     a negative one multiplied. Then OpenAI's formula over output tokens: logit -= frequency * count +
-    presence * (count > 0)."""
+    presence * (count > 0). Only each row's seen tokens change, and only they are touched (a kernel on CUDA; the
+    same operations in torch elsewhere)."""
     _check_float32(logits)
-    counts = history.output_counts[slots]
-    in_output = counts > 0
-    seen = in_output | history.prompt_mask[slots]
-    values = logits[rows]
-    penalty = repetition.unsqueeze(1)
-    values = torch.where(seen, torch.where(values > 0, values / penalty, values * penalty), values)
-    values -= frequency.unsqueeze(1) * counts + presence.unsqueeze(1) * in_output
-    logits[rows] = values
+    if _use_kernel(logits):
+        from nanovllm.kernels.penalties import apply_history_penalties
+        apply_history_penalties(logits, rows, slots, repetition, presence, frequency, history.seen_tokens,
+                                history.num_seen, history.output_counts)
+        return
+    lengths = history.num_seen[slots].long()
+    width = int(lengths.max()) if len(lengths) else 0
+    listed = torch.arange(width, device=logits.device) < lengths.unsqueeze(1)
+    which = listed.nonzero(as_tuple=True)[0]  # the penalised row of each listed token
+    tokens = history.seen_tokens[slots, :width][listed].long()
+    counts = history.output_counts[slots[which], tokens]
+    values = logits[rows[which], tokens]
+    penalty = repetition[which]
+    values = torch.where(values > 0, values / penalty, values * penalty)
+    values -= frequency[which] * counts + presence[which] * (counts > 0)
+    logits[rows[which], tokens] = values
 
 
 def apply_logit_bias(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor,

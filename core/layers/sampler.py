@@ -8,6 +8,7 @@ order, or the step loop."""
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 from typing import Protocol
 
 import torch
@@ -71,6 +72,59 @@ def reference_sample(logits: torch.Tensor, t: SamplingSettings) -> torch.Tensor:
 
 def _use_kernel(logits: torch.Tensor) -> bool:
     return logits.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+
+
+# (temperature, top_k (0: off), top_p, min_p) of the warm-up rows: every path of the fused sampler
+_WARM_UP_ROWS = [(0.0, 0, 1.0, 0.0), (0.8, 0, 1.0, 0.0), (1.0, 0, 1.0, 0.05), (0.8, 50, 0.95, 0.0),
+                 (0.7, 1000, 1.0, 0.0), (0.7, 0, 0.9, 0.0), (1.0, 40, 0.8, 0.1)]
+
+
+def warm_up_rows(device: torch.device, vocab_size: int) -> SamplingSettings:
+    """Sampling settings of the warm-up batch (seeded rows), one per path of the sampler."""
+    columns = list(zip(*_WARM_UP_ROWS))
+    n = len(_WARM_UP_ROWS)
+    return SimpleNamespace(
+        temperatures=torch.tensor(columns[0], dtype=torch.float32, device=device),
+        top_k=torch.tensor([k if 0 < k < vocab_size else vocab_size for k in columns[1]], dtype=torch.int64,
+                           device=device),
+        top_p=torch.tensor(columns[2], dtype=torch.float32, device=device),
+        min_p=torch.tensor(columns[3], dtype=torch.float32, device=device),
+        seeds=torch.arange(n, dtype=torch.int64, device=device), sample_positions=torch.zeros(n, dtype=torch.int64,
+                                                                                             device=device),
+        all_greedy=False, any_filter=True)
+
+
+def warm_up_logits(device: torch.device, vocab_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """[rows, vocab] logits of the warm-up batch: a fixed spread of values, as a model's logits lie."""
+    generator = torch.Generator().manual_seed(0)
+    return (torch.randn(len(_WARM_UP_ROWS), vocab_size, generator=generator) * 3).to(device=device, dtype=dtype)
+
+
+def warm_up_sampling(device: torch.device, vocab_size: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Run once everything a step's sampling can launch, on a small batch, so that Triton compiles it at engine
+    start rather than inside the first job that needs it: the fused sampler on logits of the model's dtype and on
+    float32 ones (what the logit controls hand it), the penalties on float32 logits, and the logprobs of the
+    model's dtype. On the CPU the same entry points run their torch paths. Returns what each call produced, for
+    a caller or a test to check: the tokens per logits dtype, the penalised logits and the logprobs."""
+    from nanovllm.layers.logit_controls import TokenHistory, apply_penalties
+    from nanovllm.layers.logprobs import compute_logprobs
+
+    settings = warm_up_rows(device, vocab_size)
+    results = {}
+    for logits_dtype in dict.fromkeys((dtype, torch.float32)):
+        results[f"tokens_{str(logits_dtype).removeprefix('torch.')}"] = sample(
+            warm_up_logits(device, vocab_size, logits_dtype), settings)
+    logits = warm_up_logits(device, vocab_size, torch.float32)
+    history = TokenHistory.allocate(2, vocab_size, 1, device)
+    history.reset(0, [1, 2, 3], [2])
+    history.record(torch.tensor([0, 1], device=device), torch.tensor([3, 4], device=device))
+    apply_penalties(logits, torch.tensor([1, 0], device=device), torch.tensor([0, 1], device=device), history,
+                    torch.full((2,), 1.3, device=device), torch.full((2,), 0.5, device=device),
+                    torch.full((2,), 0.2, device=device))
+    results["penalised_logits"] = logits
+    raw = warm_up_logits(device, vocab_size, dtype)
+    results["logprobs"] = compute_logprobs(raw, raw.argmax(dim=-1), 5).logprobs
+    return results
 
 
 def sample(logits: torch.Tensor, t: SamplingSettings) -> torch.Tensor:

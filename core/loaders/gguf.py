@@ -9,6 +9,8 @@ from pathlib import Path
 
 import xxhash
 
+from nanovllm.loaders.integrity import check_gguf
+
 
 def cache_root() -> Path:
     return Path(os.environ.get("NANOVLLM_CACHE", Path.home() / ".cache" / "nanovllm"))
@@ -27,6 +29,7 @@ def gguf_to_hf_dir(path: Path) -> Path:
     target = cache_root() / "gguf" / f"{path.stem}-{file_digest(path)}"
     if (target / "model.safetensors").exists():
         return target
+    check_gguf(path)  # a truncated file: one error naming it, not the converter's
     import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer

@@ -18,6 +18,7 @@ class ResolvedModel:
     weights_dir: Path | None  # None: random (dummy) weights
     tokenizer_dir: Path | None  # None: token ids in and out only
     gguf: bool = False  # the weights come from a GGUF file (converted)
+    directory: Path | None = None  # the checkpoint's folder (its sentence-transformers files), dummy weights or not
 
 
 def preset_names() -> list[str]:
@@ -39,7 +40,8 @@ def resolve_model(model: str | None, load_format: str = "auto", revision: str | 
 
     from nanovllm.loaders import hub
     from nanovllm.loaders.gguf import gguf_to_hf_dir
-    from nanovllm.models.registry import model_class_for
+    from nanovllm.loaders.integrity import check_checkpoint_files
+    from nanovllm.models.registry import check_supported
 
     if model is None:
         model = str(default_model_path())
@@ -56,17 +58,18 @@ def resolve_model(model: str | None, load_format: str = "auto", revision: str | 
     elif model in preset_names():
         config_dict = json.loads((PRESET_DIR / f"{model}.json").read_text())
         hf_config = AutoConfig.for_model(**config_dict)
-        model_class_for(hf_config)  # an unsupported architecture fails here, before tokenizer, workers or weights
+        check_supported(hf_config)  # an unsupported architecture fails here, before tokenizer, workers or weights
         return ResolvedModel(model, hf_config, None, None)
     else:
         raise ValueError(f"model {model!r} is neither a .gguf file, an HF checkpoint directory, a preset "
                          f"({', '.join(preset_names())}) nor a Hugging Face Hub id (org/name)")
     if not (directory / "config.json").exists():
         raise ValueError(f"model directory {directory} has no config.json")
+    check_checkpoint_files(directory, weights=load_format != "dummy")  # a truncated file: one error naming it
     hf_config = AutoConfig.from_pretrained(str(directory))
-    model_class_for(hf_config)
+    check_supported(hf_config)
     has_tokenizer = any((directory / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
     weights = None if load_format == "dummy" else directory
     name = model if not local else path.stem if path.is_file() else path.name
     return ResolvedModel(name, hf_config, weights, directory if has_tokenizer else None,
-                         gguf=path.is_file())
+                         gguf=path.is_file(), directory=directory)

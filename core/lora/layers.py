@@ -177,6 +177,14 @@ class LoRALayers:
 
             self.step.batch = sort_tokens_by_slot(token_slots, self.max_loras)
 
+    def check(self, adapter: LoRAAdapter) -> None:
+        """Raise the ValueError `load` would (a module the model has no layer for, or matrices that do not fit
+        it), without writing anything."""
+        for name, parts in self._targets(adapter).items():
+            layer = self.layers[name]
+            for part, module in parts.items():
+                layer._check_shapes(part, module, f"LoRA adapter {adapter.name!r}, layer {name}")
+
     def load(self, slot: int, adapter: LoRAAdapter) -> None:
         """Write `adapter` into `slot` of every layer (the layers it does not adapt get rank 0 there). On the
         device the writes are ordered on the current stream: after steps already launched that read the slot."""
@@ -202,3 +210,19 @@ class LoRALayers:
                                  "its parts)")
             parts[part] = module
         return targets
+
+
+class StepSlotsModel:
+    """`model` with the step's adapter slots set inside its forward, from the first tokens of `token_slots` (a
+    fixed device buffer): what a CUDA graph of a step with adapters captures, so that the tokens' sort and the
+    LoRA kernels are replayed with the model (cuda_graphs.py calls `model(...)` and `model.compute_logits`)."""
+
+    def __init__(self, model: nn.Module, lora: LoRALayers, token_slots: torch.Tensor):
+        self.model, self.lora, self.token_slots = model, lora, token_slots
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+        self.lora.set_step(self.token_slots[:len(input_ids)])
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden)

@@ -151,6 +151,19 @@ class _Encoder(nn.Module):
 
     packed_modules_mapping = {"query": ("qkv_proj", "q"), "key": ("qkv_proj", "k"), "value": ("qkv_proj", "v")}
     default_pooling = "cls"
+    bidirectional = True  # a row is computed whole in one step, and nothing of it is kept (no KV cache)
+    positions_after_padding_idx = False  # XLM-RoBERTa's rule (roberta_positions)
+
+    @classmethod
+    def max_input_len(cls, config) -> int:
+        """The longest input: XLM-RoBERTa's positions start after its pad id."""
+        offset = config.pad_token_id + 1 if cls.positions_after_padding_idx else 0
+        return config.max_position_embeddings - offset
+
+    @staticmethod
+    def takes_token_types(config) -> bool:
+        """Pair inputs carry token types where the model has more than one (BERT; XLM-RoBERTa has one)."""
+        return config.type_vocab_size > 1
 
     @classmethod
     def tensor_parallel_dims(cls, config) -> dict[str, int]:
@@ -166,7 +179,6 @@ class BertModel(_Encoder):
 
     base_model_prefix = "bert"
     ignored_checkpoint_prefixes = ("pooler.",)
-    positions_after_padding_idx = False  # XLM-RoBERTa's rule (roberta_positions)
 
     def __init__(self, config, fused_ops: bool = False, with_pooler: bool = False):
         """`fused_ops`: accepted for a uniform constructor; the encoder has no fused kernels. `with_pooler`: the
@@ -227,6 +239,7 @@ class XLMRobertaClassificationHead(nn.Module):
 
 class XLMRobertaForSequenceClassification(_Encoder):
     base_model_prefix = "roberta"
+    positions_after_padding_idx = True
 
     def __init__(self, config, fused_ops: bool = False):
         super().__init__()

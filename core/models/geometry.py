@@ -31,7 +31,8 @@ def layer_windows(config) -> tuple[int | None, ...]:
 
 
 def kv_heads_per_rank(config) -> int:
-    return config.num_key_value_heads // tp_size()
+    """KV heads of this rank (an encoder's config names none: its heads, though it keeps no cache)."""
+    return (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) // tp_size()
 
 
 def kv_block_bytes(config, block_size: int, itemsize: int, num_kv_heads: int, num_layers: int) -> int:

@@ -67,6 +67,14 @@ def _classes_for(kind: str) -> dict[str, type[nn.Module]]:
     return POOLING_MODEL_CLASSES[kind]
 
 
+def check_supported(hf_config) -> None:
+    """Raise ValueError (naming what is supported) unless a model class runs the architecture, as a generator or
+    as a pooling model (pooling/task.py decides which)."""
+    if not set(architectures_of(hf_config)) & {*MODEL_CLASSES, *POOLING_MODEL_CLASSES["embed"],
+                                                *POOLING_MODEL_CLASSES["classify"]}:
+        model_class_for(hf_config)  # raises, naming the supported architectures
+
+
 def model_class_for(hf_config, kind: str = "generate") -> type[nn.Module]:
     if kind not in MODEL_KINDS:
         raise ValueError(f"model kind {kind!r}: expected one of {', '.join(MODEL_KINDS)}")

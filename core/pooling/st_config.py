@@ -1,6 +1,7 @@
 """What a sentence-transformers checkpoint says about its pooling: `modules.json` (the module pipeline),
 the Pooling module's `config.json` (its mode), `config_sentence_transformers.json` (bi-encoder or cross-encoder,
-the cross-encoder's activation, the similarity function) and `sentence_bert_config.json` (input length, lower-casing).
+the cross-encoder's activation, the similarity function) and `sentence_bert_config.json` (input length, lower-casing;
+sentence-transformers v5 on keeps them in the tokenizer: its model_max_length, and a lower-casing normalizer).
 
 Supported pipelines: a Transformer at the checkpoint's root, then for a bi-encoder one Pooling module (cls, mean or
 lasttoken) and optionally Normalize. Any other module or pooling mode is rejected by name."""
@@ -31,7 +32,7 @@ class SentenceTransformersConfig:
     normalize: bool = False  # a Normalize module follows the pooling
     activation: str | None = None  # a cross-encoder's activation_fn, where it names one
     similarity: str = "cosine"  # how two embeddings score (LLM.score of a bi-encoder)
-    max_seq_length: int | None = None  # inputs are truncated to this many tokens
+    max_seq_length: int | None = None  # inputs are truncated to this many tokens (its config's, or the tokenizer's)
     lowercase: bool = False  # inputs are lower-cased before tokenization
 
 
@@ -96,11 +97,20 @@ def read_sentence_transformers_config(directory: Path | None, hf_config) -> Sent
                          f"is not supported ({', '.join(SIMILARITY_FUNCTIONS)} are)")
     bert_config = directory / "sentence_bert_config.json"
     inputs = _read_json(bert_config) if bert_config.exists() else {}
+    max_seq_length = inputs.get("max_seq_length") or _tokenizer_max_length(directory)
     activation = settings.get("activation_fn") or legacy_activation
     return SentenceTransformersConfig(
         cross_encoder=cross_encoder, pooling=pooling, normalize=normalize,
         activation=_activation(activation) if activation else None, similarity=similarity,
-        max_seq_length=inputs.get("max_seq_length"), lowercase=bool(inputs.get("do_lower_case", False)))
+        max_seq_length=max_seq_length, lowercase=bool(inputs.get("do_lower_case", False)))
+
+
+def _tokenizer_max_length(directory: Path) -> int | None:
+    """The tokenizer's model_max_length: where sentence-transformers (v5 on) keeps max_seq_length, and what it cuts
+    inputs to when its own config names none (transformers writes a huge number for no limit)."""
+    path = directory / "tokenizer_config.json"
+    length = _read_json(path).get("model_max_length") if path.exists() else None
+    return length if isinstance(length, int) and 0 < length < 1 << 31 else None
 
 
 def _activation(name: str) -> str:

@@ -17,13 +17,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from nanovllm.config import RUNNERS
 from nanovllm.models.registry import MODEL_CLASSES, POOLING_MODEL_CLASSES, architectures_of, model_class_for
 from nanovllm.pooling.methods import PoolingMethod
 from nanovllm.pooling.outputs import classifier_activation, labels_of
 from nanovllm.pooling.st_config import read_sentence_transformers_config
+from nanovllm.pooling_params import POOLING_TASKS as TASKS
 
-TASKS = ("embed", "classify", "score", "reward")
-RUNNERS = ("auto", "generate", "pooling")
 ENCODER_CLASSIFIERS = ("BertForSequenceClassification", "XLMRobertaForSequenceClassification")
 
 
@@ -42,6 +42,9 @@ class PoolingSpec:
     activations: tuple[tuple[str, str], ...] = ()  # a classifier's activation per task (pooling/outputs.py)
     max_seq_length: int | None = None  # the sentence-transformers input limit, where set
     lowercase: bool = False  # sentence-transformers lower-cases inputs before tokenization
+    max_input_len: int = 0  # the longest input the model takes (its positions)
+    encoder: bool = False  # bidirectional attention (BERT, XLM-R): a row is computed whole, no KV cache
+    token_types: bool = False  # pair inputs carry token types (BERT)
 
     def activation(self, task: str) -> str:
         return dict(self.activations)[task]
@@ -77,6 +80,15 @@ def resolve_task(hf_config, directory: Path | None, runner: str = "auto", task: 
     return None
 
 
+def _model_facts(model_class, hf_config) -> dict:
+    """What the model class says about its inputs: their longest, encoder or decoder, token types."""
+    max_input_len = getattr(model_class, "max_input_len", None)
+    takes_token_types = getattr(model_class, "takes_token_types", None)
+    return dict(max_input_len=max_input_len(hf_config) if max_input_len else hf_config.max_position_embeddings,
+                encoder=getattr(model_class, "bidirectional", False),
+                token_types=bool(takes_token_types and takes_token_types(hf_config)))
+
+
 def _check_task(task: str | None, tasks: tuple[str, ...], names: set[str], kind: str) -> None:
     if task is not None and task not in tasks:
         other = "an embedding checkpoint (a base model, or a sentence-transformers bi-encoder)" if task == "embed" \
@@ -97,7 +109,8 @@ def _embedder_spec(hf_config, names: set[str], st, task: str | None, kind: str =
         pooling=st.pooling if st is not None else PoolingMethod(model_class.default_pooling),
         output_size=hf_config.hidden_size, normalize=st.normalize if st is not None else True,
         similarity=st.similarity if st is not None else "cosine",
-        max_seq_length=st.max_seq_length if st is not None else None, lowercase=st is not None and st.lowercase)
+        max_seq_length=st.max_seq_length if st is not None else None, lowercase=st is not None and st.lowercase,
+        **_model_facts(model_class, hf_config))
 
 
 def _classifier_spec(hf_config, names: set[str], st, task: str | None) -> PoolingSpec:
@@ -116,4 +129,4 @@ def _classifier_spec(hf_config, names: set[str], st, task: str | None) -> Poolin
                        pooling=PoolingMethod(model_class.default_pooling), output_size=num_labels,
                        labels=labels_of(hf_config), activations=activations,
                        max_seq_length=st.max_seq_length if st is not None else None,
-                       lowercase=st is not None and st.lowercase)
+                       lowercase=st is not None and st.lowercase, **_model_facts(model_class, hf_config))

@@ -38,6 +38,9 @@ class StepInputs:
     query_start_loc: torch.Tensor = buffer(torch.int32, ROWS_PLUS_ONE)
     seq_lens: torch.Tensor = buffer(torch.int32, ROWS, graph=True)
     rows: torch.Tensor = buffer(torch.int64, ROWS, graph=True)  # each sequence's row of the block tables
+    # Multi-LoRA (nanovllm.lora): the adapter slot of each token, -1 for the base model and graph padding; read
+    # only when `lora_active` (some token of the step has an adapter; else the step runs the base model alone).
+    lora_slots: torch.Tensor = buffer(torch.int32, TOKENS, graph=True)
     logits_indices: torch.Tensor = buffer(torch.int64, SEQS)  # the last new token of each sequence
     sampling: SamplingTensors
     logprob_rows: torch.Tensor = buffer(torch.int64, SEQS)  # batch indices of the sampled rows asking logprobs
@@ -55,6 +58,7 @@ class StepInputs:
     frequency_penalties: torch.Tensor = buffer(torch.float32, SEQS)
     num_penalty_rows: int
     logit_controls: bool  # some row of the step has penalties or logit controls (False: none of them runs)
+    lora_active: bool
     # [2, n] table entries new to the device (flat indices, then block ids), applied first. Last in the layout:
     # it is uploaded only as far as a step uses it.
     table_updates: torch.Tensor = buffer(torch.int32, UPDATES, graph=True)
@@ -63,6 +67,9 @@ class StepInputs:
     num_decodes: int  # in a step with longer queries too: its leading one-token sequences (AttentionMetadata)
     decode_num_splits: int  # of the decode kernel: over the whole batch of a decode step, else over num_decodes
     graph_size: int | None  # replay the decode graph of this batch size instead of running eagerly
+    # int64 [tokens]: token types of pair inputs (BERT-style pooling models); None in a step without (a small
+    # upload of its own)
+    token_type_ids: torch.Tensor | None = None
 
 
 @dataclass

@@ -3,9 +3,11 @@
 The ops are `nanovllm.layers.logit_controls` (vLLM's semantics and order). State lives on the device and
 changes only when a row with controls joins or leaves, never from the host per step:
 
-- Rows with repetition / presence / frequency penalties hold a `TokenHistory` slot: prompt mask and output
-  counts, reset from the host's known tokens when the row is (re)filled, then advanced on the device from each
-  step's samples (`record`), so the async loop's step N + 1 sees step N's token without a host round trip.
+- Rows with repetition / presence / frequency penalties hold a `TokenHistory` slot: prompt mask, output counts
+  and the list of distinct seen tokens (what a penalty touches: a step's penalties cost what the histories hold,
+  not the vocabulary), reset from the host's known tokens when the row is (re)filled, then advanced on the
+  device from each step's samples (`record`), so the async loop's step N + 1 sees step N's token without a host
+  round trip.
 - Sparse controls (logit_bias, allowed_token_ids, min_tokens' stop ids) are entry lists keyed by the persistent
   row, rebuilt as new tensors when a row with them joins or leaves (a step in flight keeps the old ones) and
   mapped to a step's batch indices on the device. Entries of rows not in the step go to a sink row.
@@ -27,6 +29,7 @@ from nanovllm.layers.logit_controls import (
     apply_penalties,
     batch_index_of,
     pack_bad_words,
+    upload,
 )
 from nanovllm.sampling_params import SamplingParams
 
@@ -88,8 +91,7 @@ class LogitControls:
             self.repetition[row] = params.repetition_penalty
             self.presence[row] = params.presence_penalty
             self.frequency[row] = params.frequency_penalty
-            ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
-            self.history.reset(slot, ids[:num_prompt_tokens], ids[num_prompt_tokens:])
+            self.history.reset(slot, token_ids[:num_prompt_tokens], token_ids[num_prompt_tokens:])
         if params.logit_bias or params.allowed_token_ids or params.min_tokens or bad_words:
             self._entries[row] = (params, bad_words)
             self._sparse = None
@@ -113,7 +115,7 @@ class LogitControls:
             old = self.history
             size = old.output_counts.shape[0]
             self.history = TokenHistory.allocate(2 * size, self.vocab_size, HISTORY_WINDOW, self.device)
-            for name in ("output_counts", "prompt_mask", "recent", "output_lens"):
+            for name in ("output_counts", "prompt_mask", "seen_tokens", "num_seen", "recent", "output_lens"):
                 getattr(self.history, name)[:size].copy_(getattr(old, name))
             self._free_slots = list(range(2 * size - 1, size - 1, -1))
         return self._free_slots.pop()
@@ -140,14 +142,13 @@ class LogitControls:
             def device(columns, dtypes):
                 if not columns[0]:
                     return None
-                return tuple(torch.tensor(c, dtype=d, device=self.device) for c, d in zip(columns, dtypes))
+                return tuple(upload(c, d, self.device) for c, d in zip(columns, dtypes))
 
             i64, f32 = torch.int64, torch.float32
             bad = None
             if bad_rows:
-                rows = torch.tensor(bad_rows, dtype=i64)
-                bad = tuple(t.to(self.device) for t in (rows, torch.from_numpy(self.slot_of_row[bad_rows]),
-                                                         torch.cat(bad_prefixes), torch.cat(bad_last)))
+                bad = tuple(upload(t, i64, self.device) for t in (bad_rows, self.slot_of_row[bad_rows],
+                                                                   torch.cat(bad_prefixes), torch.cat(bad_last)))
             self._sparse = _Sparse(device(bias, (i64, i64, f32)), device(allowed, (i64, i64)),
                                    device(min_tokens, (i64, i64, i64)), bad)
         return self._sparse

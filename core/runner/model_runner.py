@@ -16,11 +16,15 @@ from nanovllm.config import EngineConfig
 from nanovllm.distributed import min_over_ranks
 from nanovllm.kv_groups import max_blocks_held, plan_kv_groups
 from nanovllm.layers.logprobs import TokenLogprobs, chunked_logprobs, compute_logprobs
-from nanovllm.layers.sampler import sample
+from nanovllm.layers.sampler import sample, warm_up_sampling
 from nanovllm.loaders import ResolvedModel, load_weights
 from nanovllm.loaders.quantization import fp8_scheme
+from nanovllm.lora import LoRAAdapter, LoRALayers, LoRARequest, load_adapter
+from nanovllm.lora.layers import StepSlotsModel
 from nanovllm.models.geometry import head_dim_of, kv_block_bytes, kv_heads_per_rank
 from nanovllm.models.registry import model_class_for
+from nanovllm.pooling import PoolingSpec
+from nanovllm.pooling.kv_budget import pooling_kv_blocks
 from nanovllm.runner.cuda_graphs import DecodeGraphs, batch_size_ladder
 from nanovllm.runner.inputs import LaunchedForward, SamplingTensors, StepInputs
 from nanovllm.runner.logprob_step import copy_to_host, plan_logprobs
@@ -34,6 +38,7 @@ from nanovllm.runner.memory_budget import (
     release_process_workspaces,
 )
 from nanovllm.runner.persistent_batch import PersistentBatch
+from nanovllm.runner.pooling_step import PoolingPlan, PoolingStep
 from nanovllm.runner.step_buffers import (
     GROUP_TOKENS,
     ROWS,
@@ -47,7 +52,7 @@ from nanovllm.runner.step_buffers import (
     sliced_views,
 )
 from nanovllm.sampling_params import MAX_LOGPROBS
-from nanovllm.step_types import LogprobPlan, ScheduledBatch, StepHandle, StepLogprobs
+from nanovllm.step_types import LogprobPlan, PooledOutputs, ScheduledBatch, StepHandle, StepLogprobs
 
 if TYPE_CHECKING:
     from nanovllm.structured import BatchBitmask, StepBitmask
@@ -95,9 +100,11 @@ class _OutputSlot:
 
 
 class ModelRunner:
-    """Executes scheduled batches: builds the model, owns the KV cache, prepares inputs, runs forward + sampling."""
+    """Executes scheduled batches: builds the model, owns the KV cache, prepares inputs, runs forward + sampling
+    (a pooling model's steps: forward + pooling, runner/pooling_step.py)."""
 
-    def __init__(self, config: EngineConfig, resolved: ResolvedModel, max_model_len: int, eos_token_ids: list[int]):
+    def __init__(self, config: EngineConfig, resolved: ResolvedModel, max_model_len: int, eos_token_ids: list[int],
+                 pooling: PoolingSpec | None = None):
         started = time.perf_counter()
         self.startup_s: dict[str, float] = {}  # seconds of each phase of building the runner (LLM.info)
         self.config = config
@@ -113,11 +120,16 @@ class ModelRunner:
             raise ValueError(f"the {backend.name} attention backend needs a block_size divisible by "
                              f"{backend.required_block_size_multiple}; got block_size={self.block_size}")
         self.max_model_len = max_model_len
+        self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.vocab_size = self.hf_config.vocab_size
         self.num_kv_heads = kv_heads_per_rank(self.hf_config)
 
-        model_class = model_class_for(self.hf_config)
+        model_class = model_class_for(self.hf_config, pooling.model_kind if pooling else "generate")
         self.fp8 = fp8_scheme(config.quantization, resolved, self.device, hasattr(model_class, "expert_projections"))
+        if config.enable_lora and self.fp8 is not None:
+            raise ValueError("enable_lora with FP8 weights (quantization='fp8' or an FP8 checkpoint): LoRA adapters "
+                             "apply to unquantized linear layers only; serve the model in its 16-bit dtype, or merge "
+                             "the adapter into it (PEFT's merge_and_unload) and quantize the merged model")
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
@@ -127,15 +139,19 @@ class ModelRunner:
             torch.set_default_dtype(default_dtype)
         load_weights(self.model, resolved.weights_dir, self.fp8, seed=config.seed)
         self.model.eval()
+        # Adapter slots on every linear layer, before the memory profile (they are the engine's memory too).
+        self.lora = (LoRALayers(self.model, config.max_loras, config.max_lora_rank, self.dtype)
+                     if config.enable_lora else None)
         self.startup_s["load_weights"] = time.perf_counter() - started
         self.kv_groups = plan_kv_groups([layer.sliding_window for layer in self.model.attention_layers()])
         self.num_groups = self.kv_groups.num_groups
 
         started = time.perf_counter()
-        self.num_kv_blocks = config.num_kv_blocks or min_over_ranks(self._kv_budget_blocks())  # TP: fits every rank
+        self.num_kv_blocks = config.num_kv_blocks or min_over_ranks(self._cache_blocks(pooling))  # TP: every rank
         self.startup_s["worst_step"] = time.perf_counter() - started
         needed = max_blocks_held(self.kv_groups.windows, max_model_len, self.block_size, config.max_num_batched_tokens)
-        if self.num_kv_blocks < needed:  # checked before anything (CUDA graphs included) touches the cache
+        # Checked before anything (CUDA graphs included) touches the cache; an encoder (no KV groups' width) has none.
+        if self.kv_groups.width and self.num_kv_blocks < needed:
             raise ValueError(
                 f"the KV cache holds {self.num_kv_blocks} blocks, less than the {needed} one sequence of "
                 f"max_model_len={max_model_len} needs: lower max_model_len, or raise gpu_memory_utilization / "
@@ -147,7 +163,6 @@ class ModelRunner:
 
         self.max_num_seqs = config.max_num_seqs or self._default_max_num_seqs()
         self.max_batch_size = min(self.max_num_seqs, config.max_num_batched_tokens)
-        self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.buffers = StepBuffers(self._buffer_fields(), self.device)
         self.persistent = PersistentBatch(self.max_batch_size, self.max_blocks_per_seq, self.num_groups,
                                           self.block_size, self.vocab_size, eos_token_ids, self.device)
@@ -160,6 +175,9 @@ class ModelRunner:
         self._table_update_views = functools.lru_cache(maxsize=4096)(
             functools.partial(_slice_table_update_views, on_device))
         self._logprob_plan: LogprobPlan | None = None  # the prepared step's, until it is launched
+        self.pooling = None if pooling is None else PoolingStep(pooling, len(self.persistent.rows.host_tables),
+                                                                self.hf_config.hidden_size, self.device)
+        self._pooling_plan: PoolingPlan | None = None  # likewise (rank 0 only: the other ranks run the forward)
         if self.device.type == "cuda":
             self._output_slots = [
                 _OutputSlot(torch.empty(self.max_batch_size, dtype=torch.int64, pin_memory=True),
@@ -169,19 +187,33 @@ class ModelRunner:
             self._next_slot = 0
         self._bitmask: BatchBitmask | None = None  # structured outputs' masks, made on the first constrained step
         self.graphs: DecodeGraphs | None = None
-        if self._uses_graphs:
+        self.lora_graphs: DecodeGraphs | None = None  # the decode steps with LoRA adapters in the batch
+        if self._uses_graphs and not pooling:
             started = time.perf_counter()
             self.graphs = DecodeGraphs(self.model, self._graph_inputs, self.tables, self.max_batch_size,
                                        max_model_len, self.block_size, self.num_groups)
+            if self.lora is not None:
+                token_slots = self.buffers.on_device["lora_slots"]
+                token_slots.fill_(-1)  # captured on base-model tokens: valid slots, no adapter read
+                self.lora_graphs = DecodeGraphs(StepSlotsModel(self.model, self.lora, token_slots), self._graph_inputs,
+                                                self.tables, self.max_batch_size, max_model_len, self.block_size,
+                                                self.num_groups)
+                self.lora.set_step(None)
             self.startup_s["cuda_graphs"] = time.perf_counter() - started
+        if self.device.type == "cuda":  # every sampling kernel compiled now, not inside the first job that needs it
+            started = time.perf_counter()
+            warm_up_sampling(self.device, self.vocab_size, self.dtype)
+            self.startup_s["sampling_kernels"] = time.perf_counter() - started
 
     def release(self) -> None:
         """Free the device memory (weights, KV cache, CUDA graphs, step buffers); the runner runs no more steps."""
         if self.released:
             return
-        if self.graphs is not None:
-            self.graphs.release()
-        self.model = self.kv_cache = self.graphs = self.tables = self.buffers = self.persistent = None
+        for graphs in (self.graphs, self.lora_graphs):
+            if graphs is not None:
+                graphs.release()
+        self.model = self.kv_cache = self.graphs = self.lora_graphs = self.lora = None
+        self.tables = self.buffers = self.persistent = self.pooling = None
         self._views = self._pending_views = self._table_update_views = self._bitmask = None
         if self.device.type == "cuda":
             gc.collect()  # whatever a CUDA graph or a kernel cache still ties into a cycle, before the cache is emptied
@@ -225,6 +257,18 @@ class ModelRunner:
             return MIN_AUTO_NUM_SEQS
         return min_over_ranks(auto_max_num_seqs(self.num_kv_blocks * self.block_size))
 
+    def _cache_blocks(self, pooling: PoolingSpec | None) -> int:
+        """The blocks this rank's cache takes: what the budget allows, but none for a model without attention layers
+        (an encoder), and for a pooling engine only what its prefills in flight hold (pooling/kv_budget.py)."""
+        if not self.kv_groups.width:
+            return 0
+        if pooling is None:
+            return self._kv_budget_blocks()
+        config = self.config
+        return min(self._kv_budget_blocks(), pooling_kv_blocks(config.max_num_batched_tokens, self.max_model_len,
+                                                               config.max_num_seqs or MAX_AUTO_NUM_SEQS,
+                                                               self.block_size, self.num_groups))
+
     def _kv_budget_blocks(self) -> int:
         if self.device.type == "cpu":
             return self.config.cpu_kv_cache_bytes // self.kv_block_bytes
@@ -236,36 +280,66 @@ class ModelRunner:
         worst = WorstStep(activations=meter.peak_of(lambda: self._sample_worst(self._warmup_forward(
                               self.config.max_num_batched_tokens, rows))),
                           graph_pool=meter.peak_of(lambda: self._warmup_forward(rows, rows)) if self._uses_graphs else 0)
+        self._warmup_mixed_step()
         del scratch
         self._bind_kv_cache(None)
         budget = kv_cache_bytes(meter.measure(self.model, worst), self.config.gpu_memory_utilization)
         return budget // self.kv_block_bytes
 
-    @torch.inference_mode()
     def _warmup_forward(self, num_tokens: int, num_seqs: int) -> torch.Tensor:
-        """The logits of a forward of `num_tokens` tokens over `num_seqs` sequences (each within max_model_len),
+        """The logits of a prefill of `num_tokens` tokens over `num_seqs` sequences (each within max_model_len),
         every sequence's last token sampled, on the scratch cache."""
         num_tokens = min(num_tokens, num_seqs * self.max_model_len)
         lens = [num_tokens // num_seqs] * num_seqs
         lens[-1] += num_tokens - sum(lens)
+        return self._scratch_forward(lens, lens)
+
+    def _warmup_mixed_step(self) -> None:
+        """A step of a stream on the scratch cache: decodes of long contexts split over the KV range, then an
+        odd-sized prompt chunk; it compiles the kernel variants a mixed step uses, which a prefill and the decode
+        graphs do not."""
+        context = min(4096, self.max_model_len)
+        chunk = max(min(255, self.max_model_len, self.config.max_num_batched_tokens - 4), 1)
+        decodes = 4
+        self._scratch_forward([1] * decodes + [chunk], [context] * decodes + [chunk], decodes,
+                              self.backend.decode_num_splits(decodes, context, self.num_kv_heads))
+
+    @torch.inference_mode()
+    def _scratch_forward(self, query_lens: list[int], seq_lens: list[int], num_decodes: int = 0,
+                         decode_num_splits: int = 1) -> torch.Tensor:
+        """The logits of a forward whose sequence i computes its last `query_lens[i]` of `seq_lens[i]`
+        positions, every sequence's last token sampled, on the scratch cache (no write, every block the scratch)."""
+        num_tokens, num_seqs = sum(query_lens), len(query_lens)
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
-        positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
-        starts = torch.tensor([0] + lens, device=self.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        positions = torch.cat([torch.arange(s - q, s, device=self.device) for q, s in zip(query_lens, seq_lens)])
+        starts = torch.tensor([0] + query_lens, device=self.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
         groups = self.num_groups
         meta = AttentionMetadata.grouped(
             slot_mapping=torch.full((groups, num_tokens), -1, dtype=torch.int64, device=self.device),
-            block_tables=torch.zeros(groups, num_seqs, -(-max(lens) // self.block_size), dtype=torch.int32,
+            block_tables=torch.zeros(groups, num_seqs, self._eager_table_width(max(seq_lens)), dtype=torch.int32,
                                      device=self.device),
-            query_start_loc=starts, seq_lens=torch.tensor(lens, dtype=torch.int32, device=self.device),
-            max_query_len=max(lens), max_seq_len=max(lens))
+            query_start_loc=starts, seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
+            max_query_len=max(query_lens), max_seq_len=max(seq_lens), num_decodes=num_decodes,
+            decode_num_splits=decode_num_splits)
+        if self.lora is not None:  # every token through the adapters' update too: its temporaries count
+            self.lora.set_step(torch.zeros(num_tokens, dtype=torch.int32, device=self.device))
         hidden = self.model(ids, positions, meta)
-        return self.model.compute_logits(hidden[starts[1:] - 1])
+        logits = self.model.compute_logits(hidden[starts[1:] - 1])
+        if self.lora is not None:
+            self.lora.set_step(None)
+        return logits
+
+    def _eager_table_width(self, max_seq_len: int) -> int:
+        """Blocks of each table an eager step gathers: enough for its longest context, rounded up to a multiple
+        of 16, so that the attention kernels see one table stride class (Triton specializes an integer argument
+        by its divisibility by 16) and no step compiles a variant the warm-up did not."""
+        return min(-(-max_seq_len // (16 * self.block_size)) * 16, self.max_blocks_per_seq)
 
     @torch.inference_mode()
     def _sample_worst(self, logits: torch.Tensor) -> None:
         """Sampling's heaviest path on every row of `logits`: a structured-output mask on each, the float32 copy
-        the logit controls edit, every filter, and the most logprobs a row may ask (so their workspaces are in
-        the measured peak, and their kernels are compiled before any job runs)."""
+        the logit controls edit, every filter, and the most logprobs a row may ask, so that their workspaces are in
+        the measured peak."""
         from nanovllm.kernels.token_bitmask import apply_token_bitmask, bitmask_width  # CUDA only: Triton
 
         rows = len(logits)
@@ -315,6 +389,8 @@ class ModelRunner:
         which may still be running."""
         num_seqs = len(batch.seqs)
         persistent = self.persistent
+        if batch.lora_loads:
+            self.load_adapters(batch.lora_loads)
         host = self.buffers.begin()
         rows, update_indices, update_blocks = persistent.sync(batch)
         plan = self._logprob_plan = plan_logprobs(persistent.rows, batch, rows)
@@ -324,6 +400,8 @@ class ModelRunner:
         padded_seqs = graph_size or num_seqs
         steady = persistent.is_steady_decode(batch, rows)
         ends = persistent.fill_token_inputs(host, batch, rows, padded_seqs, steady)
+        lora_active = self.lora is not None and persistent.fill_lora_slots(
+            host, batch, rows, padded_seqs if graph_size else batch.num_tokens)
         all_greedy, any_filter = persistent.fill_sampling(host, rows, ends)
         if plan is not None:
             host["logprob_rows"][:len(plan.sampled_indices)] = plan.sampled_indices
@@ -349,16 +427,18 @@ class ModelRunner:
         prompt_targets = None
         if plan is not None and plan.prompt_targets is not None:
             prompt_targets = torch.from_numpy(plan.prompt_targets).to(self.device, non_blocking=True)
+        if self.pooling is not None:
+            self._pooling_plan = self.pooling.plan(batch)
         return StepInputs(
             **views.step, table_updates=self._table_update_views(num_staged),
             sampling=SamplingTensors(**views.sampling, all_greedy=all_greedy, any_filter=any_filter),
             num_logprob_rows=len(plan.sampled_indices) if plan else 0,
             num_top_logprobs=plan.num_top if plan else 0, prompt_logprob_targets=prompt_targets,
             num_top_prompt_logprobs=plan.num_top_prompt if plan else 0, num_penalty_rows=num_penalty_rows,
-            logit_controls=controls_on,
+            logit_controls=controls_on, lora_active=lora_active,
             max_query_len=max_query_len, max_seq_len=max_seq_len, num_decodes=num_decodes,
             decode_num_splits=self.backend.decode_num_splits(num_decodes or num_seqs, decode_len, self.num_kv_heads),
-            graph_size=graph_size)
+            graph_size=graph_size, token_type_ids=self.pooling.token_type_ids(batch) if self.pooling else None)
 
     def _graph_size(self, batch: ScheduledBatch, plan: LogprobPlan | None, num_updates: int) -> int | None:
         """The decode graph a step replays (its padded batch size), or None to run it eagerly."""
@@ -379,7 +459,7 @@ class ModelRunner:
             **views.step, table_updates=self._table_update_views(size * self.num_groups),
             sampling=SamplingTensors(**views.sampling, all_greedy=True, any_filter=False), num_logprob_rows=0,
             num_top_logprobs=0, prompt_logprob_targets=None, num_top_prompt_logprobs=0, num_penalty_rows=0,
-            logit_controls=False, max_query_len=1, max_seq_len=self.max_model_len, num_decodes=0,
+            logit_controls=False, lora_active=False, max_query_len=1, max_seq_len=self.max_model_len, num_decodes=0,
             decode_num_splits=self.backend.decode_num_splits(size, self.max_model_len, self.num_kv_heads),
             graph_size=size)
 
@@ -388,7 +468,38 @@ class ModelRunner:
         """Launch forward + sampling and return at once (on the CPU the work is done by the time it returns).
 
         The sampled ids are copied to pinned host memory behind an event; `wait` blocks on that event only."""
+        if self.pooling is not None:
+            return self._execute_pooling(inputs)
         return self.launch_sample(self.launch_forward(inputs), None)
+
+    def _execute_pooling(self, inputs: StepInputs) -> StepHandle:
+        """A pooling model's step: the forward, then the pooling and outputs of runner/pooling_step.py (on rank 0;
+        the other ranks have no plan), copied to pinned host memory behind the step's event."""
+        upload, slot = self.buffers.num_uploads, self._take_output_slot()
+        hidden = self._eager_hidden_states(inputs)
+        plan, self._pooling_plan = self._pooling_plan, None
+        values = None if plan is None else self.pooling.launch(self.model, hidden, inputs.query_start_loc,
+                                                                inputs.positions, inputs.rows, plan)
+        pooled = None if values is None else PooledOutputs(plan.batch_indices, plan.offsets, values)
+        nothing_sampled = inputs.logits_indices[:0]
+        if slot is None:
+            return StepHandle(nothing_sampled, None, None, None, upload, pooled=pooled)
+        slot.timing[1].record(self.buffers.stream)
+        if pooled is not None:
+            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            pooled.values = host.copy_(values, non_blocking=True)
+        slot.ready.record(self.buffers.stream)
+        return StepHandle(nothing_sampled, None, slot.timing, slot.ready, upload, pooled=pooled)
+
+    def _take_output_slot(self) -> _OutputSlot | None:
+        """The output slot of a step being launched (None on the CPU), its start recorded."""
+        if self.device.type != "cuda":
+            return None
+        # The step loop waits for step N before it launches step N+2: two output slots are never both in use.
+        slot = self._output_slots[self._next_slot]
+        self._next_slot ^= 1
+        slot.timing[0].record(self.buffers.stream)
+        return slot
 
     @torch.inference_mode()
     def launch_forward(self, inputs: StepInputs) -> LaunchedForward:
@@ -396,12 +507,7 @@ class ModelRunner:
         asked). A step with structured-output rows is launched in two halves, so that their masks can be filled in
         between (docs/STRUCTURED_OUTPUTS.md)."""
         upload = self.buffers.num_uploads  # the step's inputs are the latest upload
-        slot = None
-        if self.device.type == "cuda":
-            # The step loop waits for step N before it launches step N+2: two output slots are never both in use.
-            slot = self._output_slots[self._next_slot]
-            self._next_slot ^= 1
-            slot.timing[0].record(self.buffers.stream)
+        slot = self._take_output_slot()
         logits, prompt_logprobs = self._forward(inputs)
         return LaunchedForward(inputs, logits, slot, upload, prompt_logprobs)
 
@@ -434,6 +540,17 @@ class ModelRunner:
         slot.ready.record(stream)
         return StepHandle(sampled, host, slot.timing, slot.ready, launched.upload, logprobs, graph)
 
+    def check_adapter(self, adapter: LoRAAdapter) -> None:
+        """Raise ValueError when a LoRA adapter does not fit the model's layers (lora/manager.py asks)."""
+        self.lora.check(adapter)
+
+    def load_adapters(self, loads: list[tuple[int, LoRARequest]]) -> None:
+        """Write each adapter into its device slot, in order, on the step stream: after the steps launched before,
+        which still read what the slots held. Every tensor-parallel rank reads its own shard from the adapter's
+        files."""
+        for slot, request in loads:
+            self.lora.load(slot, load_adapter(request.lora_path, self.config.max_lora_rank, request.lora_name))
+
     def fill_masks(self, batch: ScheduledBatch) -> StepBitmask | None:
         """The token masks of the batch's constrained rows from their matchers (read, never advanced), filled on
         the host and on their way to the device; None when no row is constrained."""
@@ -449,22 +566,31 @@ class ModelRunner:
         logprobs of the rows that asked (every rank computes them: the LM head is collective)."""
         prompt_lp = None
         if inputs.graph_size is not None:  # the graph applies the table updates and gathers the tables itself
-            logits = self.graphs.replay(inputs.graph_size, inputs)
+            graphs = self.lora_graphs if inputs.lora_active else self.graphs
+            logits = graphs.replay(inputs.graph_size, inputs)
         else:
-            if inputs.table_updates.shape[1]:
-                self.tables.apply(inputs.table_updates)
-            meta = AttentionMetadata.grouped(
-                slot_mapping=inputs.slot_mapping, block_tables=self.tables.gather_groups(
-                    inputs.rows, self.num_groups, -(-inputs.max_seq_len // self.block_size)),
-                query_start_loc=inputs.query_start_loc, seq_lens=inputs.seq_lens,
-                max_query_len=inputs.max_query_len, max_seq_len=inputs.max_seq_len,
-                decode_num_splits=inputs.decode_num_splits, num_decodes=inputs.num_decodes)
-            hidden = self.model(inputs.input_ids, inputs.positions, meta)
+            hidden = self._eager_hidden_states(inputs)
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
             if inputs.prompt_logprob_targets is not None:
                 prompt_lp = self._prompt_logprobs(hidden, inputs.prompt_logprob_targets,
                                                   inputs.num_top_prompt_logprobs)
         return logits, prompt_lp
+
+    def _eager_hidden_states(self, inputs: StepInputs) -> torch.Tensor:
+        """The step's final hidden states by an eager forward (the table updates applied first)."""
+        if self.lora is not None:
+            self.lora.set_step(inputs.lora_slots if inputs.lora_active else None)
+        if inputs.table_updates.shape[1]:
+            self.tables.apply(inputs.table_updates)
+        meta = AttentionMetadata.grouped(
+            slot_mapping=inputs.slot_mapping, block_tables=self.tables.gather_groups(
+                inputs.rows, self.num_groups, self._eager_table_width(inputs.max_seq_len)),
+            query_start_loc=inputs.query_start_loc, seq_lens=inputs.seq_lens,
+            max_query_len=inputs.max_query_len, max_seq_len=inputs.max_seq_len,
+            decode_num_splits=inputs.decode_num_splits, num_decodes=inputs.num_decodes)
+        if inputs.token_type_ids is not None:
+            return self.model(inputs.input_ids, inputs.positions, meta, token_type_ids=inputs.token_type_ids)
+        return self.model(inputs.input_ids, inputs.positions, meta)
 
     def _sample(self, logits: torch.Tensor, inputs: StepInputs) -> tuple[torch.Tensor, TokenLogprobs | None]:
         """Logit controls, sampling, and the sampled tokens' logprobs of the rows that asked (of the raw
@@ -494,11 +620,12 @@ class ModelRunner:
         return chunked_logprobs(lambda start, end: self.model.compute_logits(hidden.index_select(0, targets[0, start:end])),
                                 targets[1], num_top, _PROMPT_LOGITS_CHUNK)
 
-    def wait(self, handle: StepHandle) -> tuple[list[int], float | None]:
-        """The step's sampled ids, and its device time in seconds (None on the CPU)."""
+    def wait(self, handle: StepHandle) -> tuple[list[int] | PooledOutputs | None, float | None]:
+        """The step's sampled ids (a pooling model's: its pooled outputs), and its device time in seconds (None
+        on the CPU)."""
         if handle.ready is None:
-            return handle.sampled.tolist(), None
+            return handle.pooled if self.pooling is not None else handle.sampled.tolist(), None
         handle.ready.synchronize()
         self.buffers.settle(handle.upload)  # the step's input upload ran before it
         start, end = handle.timing
-        return handle.host.tolist(), start.elapsed_time(end) / 1000
+        return handle.pooled if self.pooling is not None else handle.host.tolist(), start.elapsed_time(end) / 1000

@@ -50,6 +50,7 @@ class SequenceRows:
         self.num_shared_kv_tokens = np.zeros(rows, dtype=np.int64)  # KV below this is in shared, complete blocks
         self.logprobs = np.full(rows, -1, dtype=np.int64)  # top-k asked per sampled token; -1 = none
         self.prompt_logprobs = np.full(rows, -1, dtype=np.int64)  # top-k asked per prompt token; -1 = none
+        self.lora_slot = np.full(rows, -1, dtype=np.int32)  # the LoRA adapter's device slot; -1 = the base model
         self.num_asking = 0  # assigned rows with either set: a step checks this before looking further
         self.controls: LogitControls | None = None  # rank 0's penalties and logit controls, kept by row
         self._vocab_size = vocab_size
@@ -107,6 +108,7 @@ class SequenceRows:
         self.seed[row] = seq.sampling_seed
         self.num_prompt_tokens[row] = seq.num_prompt_tokens
         self.num_shared_kv_tokens[row] = seq.num_shared_kv_tokens
+        self.lora_slot[row] = seq.lora_slot
         self._set_logprobs(row, params.logprobs, params.prompt_logprobs)
         if self.controls is not None:
             self.controls.fill(row, params, seq.token_ids, seq.num_prompt_tokens, seq.bad_words_token_ids)
@@ -279,6 +281,19 @@ class PersistentBatch:
         # index of the output token each row draws: the token after the chunk's last position
         np.subtract(ends, self.rows.num_prompt_tokens[rows], out=host["sample_positions"][:num_seqs])
         return False, any_filter
+
+    def fill_lora_slots(self, host: dict[str, np.ndarray], batch: ScheduledBatch, rows: np.ndarray,
+                        padded_tokens: int) -> bool:
+        """Each token's LoRA adapter slot, from its row (-1: the base model, and graph padding); returns whether
+        any token has an adapter (if not, nothing is written and the step runs the base model alone)."""
+        slots = self.rows.lora_slot[rows]
+        if not (slots >= 0).any():
+            return False
+        num_tokens = batch.num_tokens
+        token_slots = host["lora_slots"][:padded_tokens]
+        token_slots[:num_tokens] = slots if num_tokens == len(rows) else np.repeat(slots, batch.num_new_tokens)
+        token_slots[num_tokens:] = -1
+        return True
 
     def stage_pending(self, host: dict[str, np.ndarray], batch: ScheduledBatch, rows: np.ndarray) -> int:
         """For each pending input, its token index in this step and its index in the last step's samples (by the

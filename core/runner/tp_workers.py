@@ -22,6 +22,7 @@ import dataclasses
 import math
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import sys
 import threading
@@ -48,6 +49,7 @@ from nanovllm.distributed import (
 )
 from nanovllm.loaders import ResolvedModel
 from nanovllm.models.registry import model_class_for
+from nanovllm.pooling import PoolingSpec
 from nanovllm.runner.inputs import LaunchedForward, StepInputs
 from nanovllm.runner.model_runner import ModelRunner
 from nanovllm.runner.spawn_guard import check_main_guard
@@ -58,7 +60,7 @@ if TYPE_CHECKING:
     from nanovllm.structured import StepBitmask
 
 _HOST = "127.0.0.1"
-_STOP, _STEP = 0, 1  # first word of a message from rank 0
+_STOP, _STEP, _LORA_LOADS = 0, 1, 2  # first word of a message from rank 0
 _STARTUP_TIMEOUT_S = 600.0  # a worker that has not connected by then (stuck importing, say) fails the start
 _GRACE_S = 2.0  # after a collective fails, how long rank 0 waits for the worker that caused it to report
 _JOIN_TIMEOUT_S = 10.0  # for workers to leave after a stop message
@@ -68,11 +70,11 @@ class TPWorkerError(RuntimeError):
     """A tensor-parallel worker died or raised; every worker is stopped and the engine cannot run further steps."""
 
 
-def check_tp_split(hf_config, world: int, device: torch.device) -> None:
+def check_tp_split(hf_config, world: int, device: torch.device, model_kind: str = "generate") -> None:
     """Refuse, before any process starts, a size that cannot split the model or does not fit the machine.
 
     Attention heads, KV heads and the MLP are split evenly; the vocabulary need not be (its last shard is padded)."""
-    dims = model_class_for(hf_config).tensor_parallel_dims(hf_config)
+    dims = model_class_for(hf_config, model_kind).tensor_parallel_dims(hf_config)
     bad = [f"{name}={value}" for name, value in dims.items() if value % world]
     if bad:
         common = math.gcd(*dims.values())
@@ -84,8 +86,10 @@ def check_tp_split(hf_config, world: int, device: torch.device) -> None:
                          f"{torch.cuda.device_count()} visible")
 
 
-def start_workers(config: EngineConfig, resolved: ResolvedModel, max_model_len: int) -> TPWorkers | None:
-    """Ranks 1..N-1 of a tensor-parallel engine, joined into one group with this process as rank 0; None when N=1."""
+def start_workers(config: EngineConfig, resolved: ResolvedModel, max_model_len: int,
+                  pooling: PoolingSpec | None = None) -> TPWorkers | None:
+    """Ranks 1..N-1 of a tensor-parallel engine, joined into one group with this process as rank 0; None when N=1.
+    `pooling`: the model's pooling spec (a pooling model), as rank 0's runner has it."""
     if tp_size() > 1:
         raise RuntimeError("a tensor-parallel engine is running in this process: exit() it before starting another")
     if config.tensor_parallel_size == 1:
@@ -93,9 +97,10 @@ def start_workers(config: EngineConfig, resolved: ResolvedModel, max_model_len: 
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialised in this process; a tensor-parallel engine "
                            "makes its own process group")
-    check_tp_split(resolved.hf_config, config.tensor_parallel_size, config.resolve_device())
+    check_tp_split(resolved.hf_config, config.tensor_parallel_size, config.resolve_device(),
+                   pooling.model_kind if pooling else "generate")
     check_main_guard()
-    return TPWorkers(config, resolved, max_model_len)
+    return TPWorkers(config, resolved, max_model_len, pooling)
 
 
 @dataclass
@@ -110,11 +115,15 @@ class _Worker:
 class TPWorkers:
     """Rank 0's handle on the worker processes: start, send steps, watch, stop."""
 
-    def __init__(self, config: EngineConfig, resolved: ResolvedModel, max_model_len: int):
+    def __init__(self, config: EngineConfig, resolved: ResolvedModel, max_model_len: int,
+                 pooling: PoolingSpec | None = None):
         world = config.tensor_parallel_size
         device = config.resolve_device()
-        # The workers need the config's values, not transformers, whose import would double a worker's start.
-        resolved = dataclasses.replace(resolved, hf_config=SimpleNamespace(**resolved.hf_config.to_dict()))
+        # The workers need the config's values, not transformers, whose import would double a worker's start
+        # (num_labels, which a classifier's head reads, is a property that to_dict leaves out).
+        hf_config = resolved.hf_config
+        resolved = dataclasses.replace(resolved, hf_config=SimpleNamespace(
+            **hf_config.to_dict(), num_labels=getattr(hf_config, "num_labels", None)))
         context = mp.get_context("spawn")
         self.ranks: list[_Worker] = []
         self.closed = False
@@ -129,7 +138,8 @@ class TPWorkers:
             for rank in range(1, world):
                 ours, theirs = context.Pipe()
                 process = context.Process(target=_worker_main, name=f"nanovllm-tp-rank{rank}", daemon=True,
-                                          args=(rank, store.port, config, resolved, max_model_len, theirs))
+                                          args=(rank, store.port, config, resolved, max_model_len, pooling,
+                                                theirs))
                 process.start()
                 theirs.close()
                 self.ranks.append(_Worker(rank, process, ours))
@@ -150,6 +160,14 @@ class TPWorkers:
         for w in self.ranks:
             w.conn.send_bytes(message)
         broadcast_from_rank0(payload)
+
+    def send_lora_loads(self, loads: list) -> None:
+        """Have every worker write LoRA adapters into their slots before the next step it runs: (slot,
+        LoRARequest) pairs, each worker reading its shard from the adapter's files (ModelRunner.load_adapters)."""
+        self.check()
+        message = array("q", [_LORA_LOADS]).tobytes() + pickle.dumps(loads)
+        for w in self.ranks:
+            w.conn.send_bytes(message)
 
     def wait_for(self, event: torch.cuda.Event) -> None:
         """Block until `event` (a step's end on the device) completes, watching the workers meanwhile: a dead
@@ -272,6 +290,8 @@ class TPRunner:
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         with self.workers.guard():  # a stopped engine's sequences may wait on steps that never ran
+            if batch.lora_loads:
+                self.workers.send_lora_loads(batch.lora_loads)
             return self.runner.prepare(batch)
 
     def execute(self, inputs: StepInputs) -> StepHandle:
@@ -312,7 +332,7 @@ def _exit_reason(exitcode: int | None) -> str:
 # ---- the worker process ----------------------------------------------------------------------------------------
 
 def _worker_main(rank: int, port: int, config: EngineConfig, resolved: ResolvedModel, max_model_len: int,
-                 conn: Connection) -> None:
+                 pooling: PoolingSpec | None, conn: Connection) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for rank 0, which then stops every worker
     threading.Thread(target=_exit_with_parent, name="nanovllm-parent-watchdog", daemon=True).start()
     try:
@@ -324,7 +344,7 @@ def _worker_main(rank: int, port: int, config: EngineConfig, resolved: ResolvedM
         store = dist.TCPStore(_HOST, port, is_master=False, timeout=COLLECTIVE_TIMEOUT)
         conn.send(("ready", None))
         init_tp_group(rank, config.tensor_parallel_size, store, device)
-        runner = ModelRunner(config, resolved, max_model_len, eos_token_ids=[])  # rank 0 alone samples
+        runner = ModelRunner(config, resolved, max_model_len, eos_token_ids=[], pooling=pooling)  # rank 0 samples
         _serve(runner, conn, device)
         destroy_tp_group()
     except BaseException:  # noqa: BLE001 - reported to rank 0, which raises it; this process just ends
@@ -338,8 +358,12 @@ def _worker_main(rank: int, port: int, config: EngineConfig, resolved: ResolvedM
 def _serve(runner: ModelRunner, conn: Connection, device: torch.device) -> None:
     """Execute the steps rank 0 sends until it says stop."""
     while True:
+        data = conn.recv_bytes()
+        if memoryview(data)[:8].cast("q")[0] == _LORA_LOADS:
+            runner.load_adapters(pickle.loads(data[8:]))
+            continue
         message = array("q")
-        message.frombytes(conn.recv_bytes())
+        message.frombytes(data)
         if message[0] == _STOP:
             return
         payload = broadcast_from_rank0(torch.empty(message[1], dtype=torch.uint8, device=device))

@@ -5,6 +5,9 @@ import json as jsonlib
 from dataclasses import dataclass, fields
 from typing import Any
 
+from nanovllm.quoting import cut, quoted
+from nanovllm.structured import bounds
+
 CONSTRAINT_FIELDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
@@ -12,7 +15,8 @@ CONSTRAINT_FIELDS = ("json", "json_object", "regex", "choice", "grammar")
 class StructuredOutputsParams:
     """Exactly one constraint: `json` (a JSON schema, as a dict or its JSON text), `json_object` (any JSON
     object), `regex` (the whole output matches it), `choice` (the output is one of these strings) or `grammar`
-    (an EBNF grammar in xgrammar's/GBNF syntax with a `root` rule). Every problem is a ValueError naming the field."""
+    (an EBNF grammar in xgrammar's/GBNF syntax with a `root` rule). Every problem is a ValueError naming the field,
+    a constraint past one of the size limits of `bounds` too (naming the limit)."""
 
     json: dict | str | None = None
     json_object: bool = False
@@ -22,7 +26,7 @@ class StructuredOutputsParams:
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
-            return ValueError(f"structured_outputs.{name}={getattr(self, name)!r}: {why}")
+            return ValueError(f"structured_outputs.{name}={quoted(getattr(self, name))}: {why}")
 
         set_fields = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
         if len(set_fields) != 1:
@@ -37,6 +41,10 @@ class StructuredOutputsParams:
                     raise bad("json", f"not valid JSON text ({e})") from None
             if not isinstance(schema, dict):
                 raise bad("json", "must be a JSON schema object (a dict or its JSON text)")
+            chars = len(self.json) if isinstance(self.json, str) else len(jsonlib.dumps(schema, ensure_ascii=False))
+            too_large = bounds.check_schema(schema, chars)
+            if too_large:
+                raise bad("json", too_large)
         if not isinstance(self.json_object, bool):
             raise bad("json_object", "must be a boolean")
         if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
@@ -49,6 +57,12 @@ class StructuredOutputsParams:
             object.__setattr__(self, "choice", list(self.choice))
         if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
             raise bad("grammar", "must be a non-empty EBNF string")
+        too_large = (bounds.check_choices(self.choice) if self.choice is not None
+                     else bounds.check_text(self.regex, bounds.MAX_REGEX_CHARS, "regex") if self.regex is not None
+                     else bounds.check_text(self.grammar, bounds.MAX_GRAMMAR_CHARS, "grammar") if self.grammar is not None
+                     else None)
+        if too_large:
+            raise bad(self.kind, too_large)
 
     @classmethod
     def from_dict(cls, data: Any) -> StructuredOutputsParams:
@@ -57,7 +71,7 @@ class StructuredOutputsParams:
             raise ValueError(f"structured_outputs must be an object with one of {', '.join(CONSTRAINT_FIELDS)}")
         unknown = sorted(set(data) - set(CONSTRAINT_FIELDS))
         if unknown:
-            raise ValueError(f"structured_outputs: unknown field(s) {', '.join(unknown)} "
+            raise ValueError(f"structured_outputs: unknown field(s) {cut(', '.join(unknown))} "
                              f"(known: {', '.join(CONSTRAINT_FIELDS)})")
         return cls(**data)
 
@@ -91,10 +105,10 @@ def from_response_format(response_format: Any) -> StructuredOutputsParams | None
         raise ValueError("response_format must be an object with a `type`")
     kind = response_format.get("type")
     if kind not in _RESPONSE_FORMAT_KEYS:
-        raise ValueError(f"response_format.type={kind!r}: must be one of {', '.join(_RESPONSE_FORMAT_KEYS)}")
+        raise ValueError(f"response_format.type={quoted(kind)}: must be one of {', '.join(_RESPONSE_FORMAT_KEYS)}")
     unknown = sorted(set(response_format) - _RESPONSE_FORMAT_KEYS[kind])
     if unknown:
-        raise ValueError(f"response_format: unknown field(s) {', '.join(unknown)} for type {kind!r}")
+        raise ValueError(f"response_format: unknown field(s) {cut(', '.join(unknown))} for type {kind!r}")
     if kind == "text":
         return None
     if kind == "json_object":
@@ -104,12 +118,12 @@ def from_response_format(response_format: Any) -> StructuredOutputsParams | None
         raise ValueError("response_format.json_schema: must be an object with `name` and `schema`")
     unknown = sorted(set(spec) - _JSON_SCHEMA_KEYS)
     if unknown:
-        raise ValueError(f"response_format.json_schema: unknown field(s) {', '.join(unknown)} "
+        raise ValueError(f"response_format.json_schema: unknown field(s) {cut(', '.join(unknown))} "
                          f"(known: {', '.join(sorted(_JSON_SCHEMA_KEYS))})")
     if not isinstance(spec.get("name"), str) or not spec["name"]:
         raise ValueError("response_format.json_schema.name: required, a non-empty string")
     if "strict" in spec and spec["strict"] is not None and not isinstance(spec["strict"], bool):
-        raise ValueError(f"response_format.json_schema.strict={spec['strict']!r}: must be a boolean")
+        raise ValueError(f"response_format.json_schema.strict={quoted(spec['strict'])}: must be a boolean")
     if "description" in spec and not isinstance(spec["description"], str):
         raise ValueError("response_format.json_schema.description: must be a string")
     if not isinstance(spec.get("schema"), dict):

@@ -28,7 +28,10 @@ class RowGrammar:
         self._matcher = xgr.GrammarMatcher(grammar, override_stop_tokens=stop)
         self.stop_token_ids = tuple(stop)
         self.num_accepted = 0
-        self.rejected_token: int | None = None  # the last token `accept` refused (the mask allows none: a bug)
+        self.rejected_token: int | None = None  # the last token `accept` refused
+        # Where it was refused, no token at all could follow: the constraint needs text this tokenizer cannot spell
+        # (the mask allowed nothing, so the sampler's pick meant nothing); else the refusal is an engine bug.
+        self.dead_end = False
 
     def fork(self) -> RowGrammar:
         """An independent copy at the same place (a request with `n` > 1 forks its rows)."""
@@ -38,6 +41,7 @@ class RowGrammar:
         twin.stop_token_ids = self.stop_token_ids
         twin.num_accepted = self.num_accepted
         twin.rejected_token = self.rejected_token
+        twin.dead_end = self.dead_end
         return twin
 
     def accept(self, token_id: int) -> bool:
@@ -47,7 +51,20 @@ class RowGrammar:
         self.num_accepted += accepted
         if not accepted:
             self.rejected_token = token_id
+            self.dead_end = not self._allows_some_token()
         return accepted
+
+    def _allows_some_token(self) -> bool:
+        bitmask = xgr.allocate_token_bitmask(1, self.mask_vocab_size)
+        self.fill_bitmask(bitmask, 0)
+        return bool(torch.any(bitmask != 0))
+
+    def rejection(self) -> str:
+        """Why the row's output failed its constraint (after `accept` refused a token)."""
+        if self.dead_end:
+            return ("structured_outputs: no token can continue the output at this point of the constraint: it needs "
+                    "text the model's tokenizer cannot produce")
+        return f"structured_outputs: the grammar rejected sampled token {self.rejected_token}"
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into `bitmask[row]` (host int32 of `mask_vocab_size` bits, the layout of
