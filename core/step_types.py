@@ -19,7 +19,7 @@ from nanovllm.pooling_params import RowPooling
 from nanovllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from nanovllm.structured import RowGrammar
+    from nanovllm.structured.bitmask import StepMask
 
 
 class ScheduledSequence(Protocol):
@@ -59,11 +59,8 @@ class ScheduledBatch:
     identify the sequences' state at scheduling time: a sequence preempted since then has another epoch and this
     step's results for it are void. `table_changed`: the sequences whose block table is new or grew for this
     step. `released_seq_ids`: sequences that finished or were preempted since the previous batch (the runner
-    drops its per-sequence state of them). `grammars[i]` is the structured-output matcher of the sequence at
-    index `grammar_rows[i]`, for each constrained sequence that samples in this step (empty lists: none); the
-    runner masks those logits rows from them. It only reads them, once the scheduler has advanced them by every
-    earlier step's token (docs/STRUCTURED_OUTPUTS.md). `lora_loads`: (slot, LoRARequest) adapters the runner
-    writes into their device slots before this step, in order (lora/manager.py)."""
+    drops its per-sequence state of them). `lora_loads`: (slot, LoRARequest) adapters the runner writes into
+    their device slots before this step, in order (lora/manager.py)."""
 
     seqs: list[ScheduledSequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
@@ -75,8 +72,6 @@ class ScheduledBatch:
     input_ids: list[int] = field(default_factory=list)
     table_changed: list[ScheduledSequence] = field(default_factory=list)
     released_seq_ids: list[int] = field(default_factory=list)
-    grammar_rows: list[int] = field(default_factory=list)
-    grammars: list[RowGrammar] = field(default_factory=list)
     lora_loads: list[tuple[int, Any]] = field(default_factory=list)
 
     def add_chunk(self, seq: ScheduledSequence, num_new_tokens: int, start: int, samples: bool) -> None:
@@ -171,10 +166,11 @@ class StepHandle:
 class StepRunner(Protocol):
     """The calls the step loop makes on the device side (the model runner, or rank 0 of a tensor-parallel group).
     `prepare` turns a batch into device inputs; `execute` launches the whole step; a step with constrained rows is
-    launched in two halves, `launch_forward` then `launch_sample` with the masks `fill_masks` made in between;
-    `wait` blocks until a step's sampled ids are on the host and returns them with its device time (None on the
-    CPU); a pooling engine's `wait` returns the step's `PooledOutputs` (or None) instead of sampled ids. Inputs,
-    launched forwards and masks are the runner's own types: the host side only passes them back."""
+    launched in two halves, `launch_forward` then `launch_sample` with the step's token mask
+    (nanovllm.structured.StepMask, bits and logits rows that the host filled in between); `wait` blocks until a
+    step's sampled ids are on the host and returns them with its device time (None on the CPU); a pooling
+    engine's `wait` returns the step's `PooledOutputs` (or None) instead of sampled ids. Inputs and launched
+    forwards are the runner's own types: the host side only passes them back."""
 
     def prepare(self, batch: ScheduledBatch) -> Any: ...
 
@@ -182,8 +178,6 @@ class StepRunner(Protocol):
 
     def launch_forward(self, inputs: Any) -> Any: ...
 
-    def fill_masks(self, batch: ScheduledBatch) -> Any: ...
-
-    def launch_sample(self, forward: Any, masks: Any) -> StepHandle: ...
+    def launch_sample(self, forward: Any, mask: StepMask | None) -> StepHandle: ...
 
     def wait(self, handle: StepHandle) -> tuple[list[int] | PooledOutputs | None, float | None]: ...

@@ -35,7 +35,9 @@ class Interrupts:
 
     def __exit__(self, *exc: object) -> None:
         for s, handler in self._previous.items():
-            signal.signal(s, handler)
+            # Once stopping, a signal that comes after the command returned but before the process exits must not
+            # turn exit 130 into a kill: ignore it rather than give it back to the default handler.
+            signal.signal(s, signal.SIG_IGN if self.received else handler)
         self._previous = {}
 
 

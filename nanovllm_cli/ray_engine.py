@@ -70,6 +70,13 @@ class EngineActor:
                                    max_restarts=self.settings.max_restarts)
         if self.settings.chat_template is not None:
             self.pool.prompts.use_chat_template(self.settings.chat_template)
+        spec = self.pool.info.pooling
+        task = spec.task if spec is not None else None
+        if task != self.settings.layout.task:  # the driver could not read the model's config: it planned generation
+            self.stop()
+            raise ValueError(f"the model runs task {task or 'generate'} on {node_name()}, but the driver planned "
+                             f"task {self.settings.layout.task or 'generate'} without its config: make the model "
+                             "readable where `nanovllm run --ray` runs too")
         self._refresh(None)
         return {"node": socket.gethostname(), "pid": os.getpid(), "start_s": time.monotonic() - started}
 

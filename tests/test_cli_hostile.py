@@ -158,7 +158,7 @@ REFUSED = [
     ({"guided_json": {"type": "object"}}, "unsupported field 'guided_json': use 'structured_outputs.json'"),
     ({"response_format": {"type": "json_object"}}, "unsupported field 'response_format': use 'structured_outputs'"),
     ({"use_beam_search": True}, "unsupported field 'use_beam_search': beam search is not implemented"),
-    ({"lora_request": {"lora_name": "x"}}, "unsupported field 'lora_request': LoRA adapters are not implemented"),
+    ({"lora_request": {"lora_name": "x"}}, "unsupported field 'lora_request': use 'lora'"),
 ]
 
 
@@ -267,6 +267,19 @@ def test_a_truncated_safetensors_file_is_a_usage_error_naming_it(text_model, tmp
     assert result.exit_code == 2, result.stderr
     assert f"{weights} is truncated: its tensors need {len(data):,} bytes" in result.stderr
     assert not out.exists() or out.read_text() == ""
+
+
+def test_a_missing_shard_is_named_and_a_stale_index_beside_whole_weights_is_not(text_model, tmp_path):
+    model = Path(shutil.copytree(text_model, tmp_path / "model"))
+    index = model / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}}))
+    path = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "Hi"}])
+    result = invoke("run", path, "-o", tmp_path / "whole.jsonl", "--model", model, *ENGINE)
+    assert result.exit_code == 0, result.stderr  # the whole file is what loads; the index is left over
+    (model / "model.safetensors").rename(model / "model-00001-of-00002.safetensors")
+    result = invoke("run", path, "-o", tmp_path / "sharded.jsonl", "--model", model, *ENGINE)
+    assert result.exit_code == 2, result.stderr
+    assert f"{index} names shards that are not in {model}: model-00002-of-00002.safetensors" in result.stderr
 
 
 def test_a_truncated_gguf_file_is_a_usage_error_naming_it(tmp_path, monkeypatch):

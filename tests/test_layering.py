@@ -14,7 +14,7 @@ PACKAGES = {"core": "nanovllm", "kernels": "nanovllm.kernels", "nanovllm_cli": "
 # and the runner are one layer apart from each other: neither imports the other (the engine's composition root,
 # llm_engine.py, is the one exception: it builds the runner).
 LAYERS = {
-    "nanovllm.kernels": 0,
+    "nanovllm.kernels": 0, "nanovllm.quoting": 0,
     "nanovllm.distributed": 1, "nanovllm.kv_groups": 1,
     "nanovllm.attention": 2, "nanovllm.structured": 2,
     "nanovllm.layers": 3, "nanovllm.sampling_params": 3, "nanovllm.pooling_params": 3,

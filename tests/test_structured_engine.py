@@ -8,6 +8,7 @@ extraction schema."""
 import json
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import jsonschema
 import pytest
@@ -150,6 +151,25 @@ def test_cut_by_max_tokens_says_incomplete(llm):
     assert out.text.startswith("{")
 
 
+@pytest.mark.slow
+def test_preempted_constrained_rows_resume_where_their_grammar_was(llm, text_model):
+    """A KV cache too small for the batch preempts rows mid-output and recomputes them; a row's matcher holds
+    exactly its committed tokens (a step voided by the preemption is never accepted), so each seeded row gives the
+    tokens it gives without preemption, in both loops."""
+    regex = "([a-c][0-9] ){24}"  # about 55 tokens a row: three rows need 12 blocks of 16
+    params = [SamplingParams(temperature=1.0, max_tokens=120, seed=i, structured_outputs={"regex": regex})
+              for i in range(3)]
+    llm.set_async_scheduling(False)
+    reference = llm.generate(PROMPTS[:3], params)
+    with LLM(text_model, num_kv_blocks=8, block_size=16, max_model_len=128, max_num_seqs=4) as small:
+        for overlap in (False, True):
+            small.set_async_scheduling(overlap)
+            outputs = small.generate(PROMPTS[:3], params)
+            assert [o.token_ids for o in outputs] == [o.token_ids for o in reference]
+            assert all(o.structured_complete and re.fullmatch(regex, o.text) for o in outputs)
+        assert small.get_metrics()["num_preemptions"] > 0
+
+
 def test_a_constraint_is_validated_where_it_is_given():
     with pytest.raises(ValueError, match="structured_outputs: exactly one of"):
         SamplingParams(structured_outputs={"json": {}, "regex": "a"})
@@ -180,30 +200,62 @@ class _Compile:
     def wait(self, timeout=None):
         self.waited += 1
 
-    def result(self):
-        return self
 
-    def new_row(self, stop_ids):
-        return ("row grammar", tuple(stop_ids))
+class _Row(SimpleNamespace):
+    """A row grammar as the scheduler reads it: its stop ids, and a token the manager found rejected."""
+    rejected_token = None
+    dead_end = False  # some token could always follow here
+
+    def rejection(self):
+        return f"the grammar rejected sampled token {self.rejected_token}"
+
+
+class _Grammars:
+    """The scheduler's side of a grammar manager: rows start as plain records, released and preempted rows noted."""
+
+    def __init__(self):
+        self.released, self.preempted = [], []
+
+    def start_row(self, seq):
+        seq.grammar = _Row(stop_token_ids=(2, *seq.params.stop_token_ids))
+
+    def release(self, seq):
+        self.released.append(seq)
+
+    def preempt(self, seq):
+        self.preempted.append(seq)
+
+    def drain(self):
+        pass
+
+
+def constrained_scheduler(rows: int, num_blocks: int = 64):
+    """A scheduler with `rows` constrained sequences (EOS 2, max_tokens 3) whose compiles are done."""
+    sched = Scheduler(BlockManager(num_blocks, 4, True), 8, 64, 256, {2}, grammars=_Grammars())
+    seqs = [make_seq([5, 6, 7 + i], max_tokens=3) for i in range(rows)]
+    for seq in seqs:
+        seq.grammar_future = _Compile()
+        seq.grammar_future.done = True
+        sched.add(seq)
+    return sched, seqs
 
 
 def test_admission_skips_rows_still_compiling_and_keeps_their_place():
-    sched = Scheduler(BlockManager(64, 4, True), 8, 64, 256, {2})
+    sched = Scheduler(BlockManager(64, 4, True), 8, 64, 256, {2}, grammars=_Grammars())
     compiling, plain = make_seq([5, 6, 7], max_tokens=2), make_seq([8, 9], max_tokens=2)
     compiling.grammar_future = _Compile()
     sched.add(compiling)
     sched.add(plain)
     batch = sched.schedule()
-    assert batch.seqs == [plain] and list(sched.waiting) == [compiling] and batch.grammars == []
+    assert batch.seqs == [plain] and list(sched.waiting) == [compiling] and compiling.grammar is None
     compiling.grammar_future.done = True
     batch = sched.schedule()
     assert compiling in batch.seqs and compiling.status is SequenceStatus.RUNNING
-    assert compiling.grammar == ("row grammar", (2,))
-    assert batch.grammars == [compiling.grammar] and batch.grammar_rows == [batch.seqs.index(compiling)]
+    assert compiling.grammar.stop_token_ids == (2,)
 
 
 def test_nothing_to_run_but_a_compile_waits_on_it():
-    sched = Scheduler(BlockManager(64, 4, True), 8, 64, 256, {2})
+    sched = Scheduler(BlockManager(64, 4, True), 8, 64, 256, {2}, grammars=_Grammars())
     seq = make_seq([5, 6, 7], max_tokens=2)
     seq.grammar_future = _Compile()
     sched.add(seq)
@@ -212,62 +264,23 @@ def test_nothing_to_run_but_a_compile_waits_on_it():
     assert seq.grammar_future.waited == 1
 
 
-class _Grammar:
-    """A row grammar that records what it accepts and rejects the ids in `reject`."""
-
-    def __init__(self, stop_ids, reject=()):
-        self.stop_token_ids = tuple(stop_ids)
-        self.reject = set(reject)
-        self.accepted = []
-        self.rejected_token = None
-        self.dead_end = False  # some token could always follow here
-
-    def accept(self, token_id):
-        if token_id in self.reject:
-            self.rejected_token = token_id
-            return False
-        self.accepted.append(token_id)
-        return True
-
-    def rejection(self):
-        return f"the grammar rejected sampled token {self.rejected_token}"
-
-
-def constrained_scheduler(rows: int, reject=()):
-    """A scheduler running `rows` constrained sequences (EOS 2, max_tokens 3), after their prefill step."""
-    sched = Scheduler(BlockManager(64, 4, True), 8, 64, 256, {2})
-    seqs = [make_seq([5, 6, 7 + i], max_tokens=3) for i in range(rows)]
-    for seq in seqs:
-        seq.grammar_future = _Compile()
-        seq.grammar_future.done = True
-        seq.grammar_future.new_row = lambda stop_ids: _Grammar(stop_ids, reject)
-        sched.add(seq)
-    return sched, seqs
-
-
-def test_accepts_of_rows_that_go_on_wait_for_accept_deferred():
-    """postprocess accepts at once only for rows that end (EOS, length); the others' accepts are queued, and run
-    in order: by accept_deferred (the step loop calls it under the next forward) or first thing in the next
-    postprocess."""
-    sched, (going_on, ending) = constrained_scheduler(2)
-    sched.postprocess(sched.schedule(), [11, 2])
-    assert going_on.grammar.accepted == [] and going_on.status is SequenceStatus.RUNNING
-    assert ending.grammar.accepted == [2] and ending.finish_reason == "stop"
-    sched.accept_deferred()
-    assert going_on.grammar.accepted == [11]
+def test_a_stop_token_ends_a_constrained_row_and_the_manager_hears_of_every_end():
+    sched, (ending, going_on) = constrained_scheduler(2)
+    sched.postprocess(sched.schedule(), [2, 11])
+    assert ending.finish_reason == "stop" and going_on.status is SequenceStatus.RUNNING
+    assert sched.grammars.released == [ending]
     sched.postprocess(sched.schedule(), [12])
-    sched.postprocess(sched.schedule(), [13])  # runs the queued 12 first, then 13 at once: the length limit
-    assert going_on.grammar.accepted == [11, 12, 13] and going_on.finish_reason == "length"
+    sched.postprocess(sched.schedule(), [13])  # its length limit
+    assert going_on.finish_reason == "length" and sched.grammars.released == [ending, going_on]
 
 
-def test_a_rejected_deferred_accept_fails_that_row_at_its_next_postprocess():
-    sched, (bad, good) = constrained_scheduler(2, reject={11})
+def test_a_rejected_token_fails_that_row_at_its_next_postprocess():
+    sched, (bad, good) = constrained_scheduler(2)
     sched.postprocess(sched.schedule(), [11, 12])
-    sched.accept_deferred()
-    assert bad.status is SequenceStatus.RUNNING and bad.grammar.rejected_token == 11
+    bad.grammar.rejected_token = 11  # what the manager reports once its worker is done with the step
     sched.postprocess(sched.schedule(), [13, 14])
     assert bad.finish_reason == "error" and "rejected sampled token 11" in bad.error
-    assert good.status is SequenceStatus.RUNNING and good.grammar.accepted == [12]
+    assert good.status is SequenceStatus.RUNNING
 
 
 EXTRACTION_PROMPTS = [

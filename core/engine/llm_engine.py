@@ -7,7 +7,6 @@ import sys
 import threading
 import time
 from contextlib import nullcontext
-from typing import TYPE_CHECKING
 
 from nanovllm.config import EngineConfig
 from nanovllm.engine.block_manager import BlockManager
@@ -32,10 +31,9 @@ from nanovllm.runner.logit_controls import HISTORY_WINDOW
 from nanovllm.runner.model_runner import ModelRunner
 from nanovllm.runner.tp_workers import TPRunner, TPWorkerError, start_workers
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.structured.compile_cache import GrammarCompileCache
+from nanovllm.structured.manager import GrammarManager
 from nanovllm.tokenization import Prompt, PromptTokenizer
-
-if TYPE_CHECKING:
-    from nanovllm.structured import GrammarCompileCache
 
 
 class StepFailedError(RuntimeError):
@@ -62,7 +60,8 @@ class LLM(PoolingAPI, ChoicesAPI):
         self._runner: ModelRunner | None = None
         self._workers = None
         self._batch_lock = threading.Lock()  # generate / chat from several threads run one after another
-        self._grammars: GrammarCompileCache | None = None  # made on the first constrained request
+        self._grammar_compiles: GrammarCompileCache | None = None
+        self._grammars: GrammarManager | None = None
         self.config = EngineConfig.from_kwargs(**engine_args)
         resolved = resolve_model(model, self.config.load_format, self.config.revision)
         self.model_name = resolved.name
@@ -71,7 +70,8 @@ class LLM(PoolingAPI, ChoicesAPI):
         self.pooling = resolve_task(self.hf_config, resolved.directory, self.config.runner, self.config.task)
         self.prompts = PromptTokenizer.for_model(resolved, self.pooling)
         self.tokenizer = self.prompts.tokenizer
-        self._outputs = OutputAssembler(self.tokenizer) if self.pooling is None else PoolingOutputAssembler(self.pooling)
+        if self.tokenizer is not None and self.pooling is None:  # its grammar tables build in the background now
+            self._grammar_compiles = GrammarCompileCache(self.tokenizer, self.hf_config.vocab_size)
         self.max_model_len = self._max_model_len()
         self._startup_s = {"resolve": time.perf_counter() - started}
         self._workers = start_workers(self.config, resolved, self.max_model_len,  # tensor-parallel ranks 1..N-1
@@ -86,6 +86,10 @@ class LLM(PoolingAPI, ChoicesAPI):
         self._startup_s.update(self._runner.startup_s)
         self._lora = (LoRAManager(self.config.max_loras, self.config.max_lora_rank, self._runner.check_adapter)
                       if self.config.enable_lora else None)
+        if self._grammar_compiles is not None:
+            self._grammars = GrammarManager(self._grammar_compiles, self._eos_token_ids(), self._runner.max_num_seqs)
+        self._outputs = (OutputAssembler(self.tokenizer, self._grammars) if self.pooling is None
+                         else PoolingOutputAssembler(self.pooling))
         self._block_manager = BlockManager(self._runner.num_kv_blocks, self.config.block_size,
                                            self.config.enable_prefix_caching, windows=self._runner.kv_groups.windows)
         if self.pooling is not None:
@@ -96,10 +100,10 @@ class LLM(PoolingAPI, ChoicesAPI):
             self._scheduler = Scheduler(self._block_manager, self._runner.max_num_seqs,
                                         self.config.max_num_batched_tokens, self.max_model_len, self._eos_token_ids(),
                                         StopStringDetector(self.tokenizer) if self.tokenizer is not None else None,
-                                        self._lora)
+                                        lora=self._lora, grammars=self._grammars)
         self._loop = StepLoop(self._scheduler,
                               TPRunner(self._runner, self._workers) if self._workers else self._runner,
-                              self._new_stats(), self.config.async_scheduling)
+                              self._new_stats(), self.config.async_scheduling, self._grammars)
         self._seed_rng = random.Random(self.config.seed)
         self._seq_ids = itertools.count()
         self._broken: str | None = None  # why a failed step left the engine unable to run
@@ -184,14 +188,11 @@ class LLM(PoolingAPI, ChoicesAPI):
         return seq.request_id
 
     def grammar_compile_cache(self) -> GrammarCompileCache:
-        """The engine's structured-output compiles (docs/STRUCTURED_OUTPUTS.md), made on first use."""
-        if self._grammars is None:
-            if self.tokenizer is None:
-                raise ValueError(f"structured_outputs: model {self.model_name!r} has no tokenizer, so its output "
-                                 "cannot be constrained")
-            from nanovllm.structured.compile_cache import GrammarCompileCache  # xgrammar: only when used
-            self._grammars = GrammarCompileCache(self.tokenizer, self.hf_config.vocab_size)
-        return self._grammars
+        """The engine's structured-output compiles (docs/STRUCTURED_OUTPUTS.md)."""
+        if self._grammar_compiles is None:
+            raise ValueError(f"structured_outputs: model {self.model_name!r} has no tokenizer, so its output cannot "
+                             "be constrained")
+        return self._grammar_compiles
 
     def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """Each word as token ids, alone and after a space (so it is banned at the start of the text and after
@@ -381,6 +382,8 @@ class LLM(PoolingAPI, ChoicesAPI):
             self._workers.shutdown()
         if self._grammars is not None:
             self._grammars.shutdown()
+        if self._grammar_compiles is not None:
+            self._grammar_compiles.shutdown()
         if self._runner is not None:
             self._runner.release()
 

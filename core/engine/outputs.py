@@ -7,11 +7,15 @@ import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from nanovllm.engine.logprob_records import PositionLogprobs, TokenTexts, output_logprobs
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.stats import EngineStats
 from nanovllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from nanovllm.structured import GrammarManager
 
 
 @dataclass
@@ -66,8 +70,9 @@ class _Group:
 
 
 class OutputAssembler:
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, grammars: GrammarManager | None = None):
         self.tokenizer = tokenizer
+        self.grammars = grammars
         self._token_texts = TokenTexts(tokenizer) if tokenizer is not None else None
         self._groups: dict[str, _Group] = {}  # request id -> its completions, for n / best_of > 1
 
@@ -99,32 +104,32 @@ class OutputAssembler:
         seq.finish_time = time.perf_counter()
         stats.record_finished(seq.num_prompt_tokens, seq.num_output_tokens, seq.arrival_time, seq.first_token_time,
                               seq.finish_time)
-        text = seq.stop_text
-        if text is None and self.tokenizer is not None:
+        text, structured_complete = seq.stop_text, None
+        finish_reason, error = seq.finish_reason, seq.error
+        if seq.grammar_future is not None:
+            # A constrained row's text is exactly what its grammar accepted (tokens' bytes, not a decode's clean-up);
+            # a stop string that cut it makes it incomplete.
+            row = self.grammars.output(seq)
+            structured_complete = row.complete and (text is None or text == row.text)
+            text = row.text if text is None else text
+            if row.error is not None and error is None:
+                finish_reason, error = "error", row.error
+        elif text is None and self.tokenizer is not None:
             text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
         logprobs = prompt_logprobs = None
         if seq.output_logprobs is not None or seq.prompt_logprob_spans is not None:
             logprobs, prompt_logprobs = output_logprobs(seq, self._token_texts)
         completion = CompletionOutput(seq.completion_index, text, seq.output_token_ids, seq.cumulative_logprob,
-                                      logprobs, seq.finish_reason, seq.stop_reason)
+                                      logprobs, finish_reason, seq.stop_reason)
         return RequestOutput(
             request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens],
-            text=text, token_ids=seq.output_token_ids, finish_reason=seq.finish_reason,
+            text=text, token_ids=seq.output_token_ids, finish_reason=finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_prefix_hit_tokens or 0,
-            error=seq.error, invalid_request=seq.invalid_request, arrival_time=seq.arrival_time,
+            error=error, invalid_request=seq.invalid_request, arrival_time=seq.arrival_time,
             first_token_time=seq.first_token_time, finish_time=seq.finish_time,
-            structured_complete=None if seq.grammar_future is None else self._structured_complete(seq, text),
+            structured_complete=structured_complete,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, cumulative_logprob=seq.cumulative_logprob,
             stop_reason=seq.stop_reason, outputs=[completion])
-
-    def _structured_complete(self, seq: Sequence, text: str | None) -> bool:
-        """Whether the output's text is a complete match of its constraint: the grammar is complete and no stop
-        string cut the text short of what the grammar accepted."""
-        if seq.grammar is None or not seq.grammar.is_completed():
-            return False
-        if seq.stop_text is None or self.tokenizer is None:
-            return True
-        return text == self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
 
     def _group_output(self, group: _Group, stats: EngineStats) -> RequestOutput:
         """One output for the n completions of a request: in index order, or the n of highest cumulative

@@ -15,7 +15,8 @@ from nanovllm.step_types import ScheduledBatch, StepLogprobs
 
 if TYPE_CHECKING:
     from nanovllm.lora.manager import LoRAManager
-    from nanovllm.structured import RowGrammar
+    from nanovllm.structured import GrammarManager
+    from nanovllm.structured.row_grammar import RowGrammar
 
 
 @dataclass
@@ -50,9 +51,10 @@ class Scheduler:
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, eos_token_ids: set[int], stop_strings: StopStringDetector | None = None,
-                 lora: LoRAManager | None = None):
+                 lora: LoRAManager | None = None, grammars: GrammarManager | None = None):
         self.block_manager = block_manager
         self.lora = lora  # LoRA adapters' device slots (None: the engine runs the base model only)
+        self.grammars = grammars  # structured outputs (None: the model has no tokenizer)
         self.stop_strings = stop_strings  # needs the tokenizer; a model without one has no stop strings
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -67,8 +69,6 @@ class Scheduler:
         self._running_version = 0  # changes whenever a sequence joins `running` or is preempted
         self._num_finished = 0
         self._plan: _DecodePlan | None = None  # set by the previous schedule() only
-        self._num_constrained = 0  # running sequences with a structured-output grammar
-        self._deferred_accepts: list[tuple[RowGrammar, int]] = []  # see accept_deferred
 
     def add(self, seq: Sequence) -> None:
         seq.max_len = self.max_len_of(seq)
@@ -103,16 +103,7 @@ class Scheduler:
             batch.released_seq_ids, self._released = self._released, []
             if self.lora is not None:
                 batch.lora_loads = self.lora.take_loads()
-            if self._num_constrained:
-                self._note_grammars(batch)
         return batch
-
-    @staticmethod
-    def _note_grammars(batch: ScheduledBatch) -> None:
-        """Hand the runner the matchers of the constrained sequences that sample in `batch`."""
-        batch.grammar_rows = [i for i, (seq, samples) in enumerate(zip(batch.seqs, batch.samples))
-                              if samples and seq.grammar is not None]
-        batch.grammars = [batch.seqs[i].grammar for i in batch.grammar_rows]
 
     def wait_for_compile(self, timeout: float | None = None) -> None:
         """Block until the first waiting sequence's pending structured-output compile finishes (the step loop
@@ -246,7 +237,6 @@ class Scheduler:
             if self.lora is not None:
                 self.lora.admit(seq)
             self._running_version += 1
-            self._num_constrained += seq.grammar is not None
             batch.table_changed.append(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -267,8 +257,7 @@ class Scheduler:
         """Give `seq` its row matcher from its finished compile; an invalid constraint (or any failure here)
         finishes that request alone with its error. Returns whether it may run."""
         try:
-            compiled = seq.grammar_future.result()
-            seq.grammar = compiled.new_row([*self.eos_token_ids, *seq.params.stop_token_ids])
+            self.grammars.start_row(seq)
         except Exception as exc:  # noqa: BLE001 - whatever breaks one request's constraint fails that request only
             message = str(exc) or type(exc).__name__
             self._fail_waiting(seq, message if message.startswith("structured_outputs") else
@@ -309,8 +298,9 @@ class Scheduler:
         self.block_manager.free(seq)
         if self.lora is not None:
             self.lora.release(seq)
-        seq.preempt()  # its grammar stays: it has accepted (or queued) exactly the committed output tokens
-        self._num_constrained -= seq.grammar is not None
+        seq.preempt()
+        if seq.grammar is not None:  # it keeps its place in the grammar: exactly its committed output tokens
+            self.grammars.preempt(seq)
         self._running_version += 1
         self.num_preemptions += 1
         self._released.append(seq.seq_id)
@@ -322,7 +312,6 @@ class Scheduler:
         a stop rule ends; `take_finished` hands them out. `logprobs`: the step's, when some row asked."""
         if logprobs is not None:
             record_step_logprobs(batch, logprobs)
-        self.accept_deferred()  # a grammar takes its tokens in order
         finished, commit = SequenceStatus.FINISHED, self.block_manager.commit_computed_blocks
         for seq, num_new, samples, epoch, token_id in zip(batch.seqs, batch.num_new_tokens, batch.samples,
                                                            batch.epochs, sampled_token_ids):
@@ -335,28 +324,13 @@ class Scheduler:
             grammar = seq.grammar
             if grammar is None:
                 reason = self._stop_reason(seq, token_id)
-            elif grammar.rejected_token is not None:  # a deferred accept failed
+            elif grammar.rejected_token is not None:  # an earlier token's accept failed
                 self._finish_rejected(seq, grammar)
                 continue
             else:  # the mask allows a stop id only where the grammar is complete: it ends the row (ignore_eos too)
                 reason = "stop" if token_id in grammar.stop_token_ids else self._stop_reason(seq, token_id)
-                if not reason:  # the row goes on: its accept can wait for the next step's masks
-                    self._deferred_accepts.append((grammar, token_id))
-                    continue
-                if not grammar.accept(token_id):  # the mask allows only acceptable tokens, if any
-                    self._finish_rejected(seq, grammar)
-                    continue
             if reason:
                 self._finish(seq, reason)
-
-    def accept_deferred(self) -> None:
-        """Advance the grammars of the constrained rows that went on by the tokens they sampled. `postprocess`
-        defers these accepts, so that the step loop can run them while the device runs the next step's forward:
-        only that step's masks need them (docs/STRUCTURED_OUTPUTS.md). A token a grammar rejects stays on it
-        (`RowGrammar.rejected_token`), and the row finishes with an error at its next postprocess."""
-        deferred, self._deferred_accepts = self._deferred_accepts, []
-        for grammar, token_id in deferred:
-            grammar.accept(token_id)
 
     def _stop_reason(self, seq: Sequence, token_id: int) -> str | None:
         """Every stop rule, in vLLM's order: EOS and stop tokens, stop strings (neither before `min_tokens`
@@ -392,7 +366,8 @@ class Scheduler:
         if self.lora is not None:
             self.lora.release(seq)
         self.running.remove(seq)
-        self._num_constrained -= seq.grammar is not None
+        if seq.grammar is not None:
+            self.grammars.release(seq)
         self._num_finished += 1
         self.finished.append(seq)
         self._released.append(seq.seq_id)
@@ -404,6 +379,11 @@ class Scheduler:
         unknown): their blocks are freed (only committed blocks are in the prefix cache, so it stays valid), their
         rows are released with the next batch, and the scheduler is empty. Returns them."""
         aborted = [*self.running, *self.waiting, *self.finished]
+        if self.grammars is not None:
+            self.grammars.drain()
+            for seq in [*self.running, *self.waiting]:
+                if seq.grammar is not None:
+                    self.grammars.release(seq)
         for seq in self.running:
             self.block_manager.free(seq)
             self._released.append(seq.seq_id)
@@ -416,10 +396,8 @@ class Scheduler:
         self.running.clear()
         self.waiting.clear()
         self.finished.clear()
-        self._deferred_accepts.clear()
         self._plan = None
         self._running_version += 1
-        self._num_constrained = 0
         return aborted
 
     def take_finished(self) -> list[Sequence]:

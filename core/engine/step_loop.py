@@ -2,22 +2,26 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.stats import EngineStats
 from nanovllm.step_types import ScheduledBatch, StepHandle, StepRunner
 
+if TYPE_CHECKING:
+    from nanovllm.structured import GrammarManager, StepGrammars
+
 
 @dataclass
 class LaunchedStep:
     """A step on the device: its batch, and either its handle (sampling launched) or, for a step with constrained
-    rows, its launched forward, whose sampling waits for the masks (`handle` None until then)."""
+    rows (`grammars`), its launched forward, whose sampling waits for the mask (`handle` None until then)."""
 
     batch: ScheduledBatch
     handle: StepHandle | None
     forward: Any
+    grammars: StepGrammars | None
     schedule_s: float
     prepare_s: float
     execute_s: float
@@ -32,15 +36,18 @@ class StepLoop:
     state, in-flight decodes feed their sampled ids to the next step on the device, and steps are committed in
     the order they were launched. Both orders use the same scheduler, runner and postprocess.
 
-    A step with structured-output rows is launched in two halves: the forward, then (once the matchers have
-    accepted every earlier step's token) the masks are filled and sampling is launched. The accepts run between
-    the halves, while the device runs the forward: postprocess defers those of the rows that go on, and the async
-    loop also finishes the step in flight there. Steps without such rows are launched whole
-    (docs/STRUCTURED_OUTPUTS.md)."""
+    A step with structured-output rows is launched in two halves: the forward, then the mask and sampling. The
+    mask of a row depends on every earlier token of it: as soon as a step's tokens reach the host, the grammar
+    manager accepts them and fills the next step's lines on its worker thread, while this thread postprocesses
+    the step (and, in the sync loop, schedules and launches the next forward); the second half waits for that
+    work. In the async loop the step in flight is finished between the halves, so the device runs the forward
+    meanwhile. Steps without such rows are launched whole (docs/STRUCTURED_OUTPUTS.md)."""
 
-    def __init__(self, scheduler: Scheduler, runner: StepRunner, stats: EngineStats, overlap: bool):
+    def __init__(self, scheduler: Scheduler, runner: StepRunner, stats: EngineStats, overlap: bool,
+                 grammars: GrammarManager | None = None):
         self.scheduler = scheduler
         self.runner = runner
+        self.grammars = grammars
         self.stats = stats
         self.overlap = overlap
         self.in_flight: LaunchedStep | None = None
@@ -88,18 +95,20 @@ class StepLoop:
         started = time.perf_counter()
         inputs = self.runner.prepare(batch)
         prepared = time.perf_counter()
-        if batch.grammars:
+        grammars = (self.grammars.plan(batch.seqs, batch.samples, batch.epochs) if self.grammars is not None
+                    else None)
+        if grammars is not None:
             handle, forward = None, self.runner.launch_forward(inputs)
         else:
             handle, forward = self.runner.execute(inputs), None
-        return LaunchedStep(batch, handle, forward, schedule_s, prepared - started, time.perf_counter() - prepared)
+        return LaunchedStep(batch, handle, forward, grammars, schedule_s, prepared - started,
+                            time.perf_counter() - prepared)
 
     def _fill_masks_and_sample(self, step: LaunchedStep) -> None:
-        """The second half of a step with constrained rows: the matchers accept every earlier step's token, the
-        masks are filled from them and sampling is launched."""
+        """The second half of a step with constrained rows: its mask (the grammar manager's lines, once every
+        earlier token is accepted), then sampling."""
         started = time.perf_counter()
-        self.scheduler.accept_deferred()
-        step.handle = self.runner.launch_sample(step.forward, self.runner.fill_masks(step.batch))
+        step.handle = self.runner.launch_sample(step.forward, self.grammars.step_mask(step.grammars))
         step.forward = None
         step.execute_s += time.perf_counter() - started
 
@@ -107,6 +116,8 @@ class StepLoop:
         """Wait for a step's tokens and postprocess it; returns the sequences that finished."""
         started = time.perf_counter()
         tokens, device_s = self.runner.wait(step.handle)
+        if step.grammars is not None:  # the grammars take these tokens on a worker while this thread postprocesses
+            self.grammars.start_accepts(step.grammars, tokens)
         waited = time.perf_counter()
         self.scheduler.postprocess(step.batch, tokens, step.handle.logprobs)
         finished = self.scheduler.take_finished()

@@ -28,7 +28,9 @@ def check_checkpoint_files(directory: Path, weights: bool) -> None:
     if not weights:
         return
     index = directory / "model.safetensors.index.json"
-    if index.exists():
+    # A whole model.safetensors wins over an index, as in transformers: savers that rewrite a sharded checkpoint
+    # whole (sentence-transformers) leave the old index behind.
+    if index.exists() and not (directory / "model.safetensors").exists():
         shards = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
         missing = [name for name in shards if not (directory / name).exists()]
         if missing:

@@ -55,7 +55,7 @@ from nanovllm.sampling_params import MAX_LOGPROBS
 from nanovllm.step_types import LogprobPlan, PooledOutputs, ScheduledBatch, StepHandle, StepLogprobs
 
 if TYPE_CHECKING:
-    from nanovllm.structured import BatchBitmask, StepBitmask
+    from nanovllm.structured import DeviceMask, StepMask
 
 _STEP_FIELDS = {f.name for f in fields(StepInputs)}
 _SAMPLING_FIELDS = {f.name for f in fields(SamplingTensors)}
@@ -185,7 +185,7 @@ class ModelRunner:
                             torch.cuda.Event())
                 for _ in range(2)]
             self._next_slot = 0
-        self._bitmask: BatchBitmask | None = None  # structured outputs' masks, made on the first constrained step
+        self._device_mask: DeviceMask | None = None  # applies structured outputs' masks; made on first use
         self.graphs: DecodeGraphs | None = None
         self.lora_graphs: DecodeGraphs | None = None  # the decode steps with LoRA adapters in the batch
         if self._uses_graphs and not pooling:
@@ -214,7 +214,7 @@ class ModelRunner:
                 graphs.release()
         self.model = self.kv_cache = self.graphs = self.lora_graphs = self.lora = None
         self.tables = self.buffers = self.persistent = self.pooling = None
-        self._views = self._pending_views = self._table_update_views = self._bitmask = None
+        self._views = self._pending_views = self._table_update_views = self._device_mask = None
         if self.device.type == "cuda":
             gc.collect()  # whatever a CUDA graph or a kernel cache still ties into a cycle, before the cache is emptied
             release_process_workspaces()
@@ -512,9 +512,9 @@ class ModelRunner:
         return LaunchedForward(inputs, logits, slot, upload, prompt_logprobs)
 
     @torch.inference_mode()
-    def launch_sample(self, launched: LaunchedForward, step_mask: StepBitmask | None) -> StepHandle:
-        """The second half of `execute`: mask the constrained rows' logits (`fill_masks`), apply the logit
-        controls, sample, take the logprobs of the rows that asked, and copy the ids to the host."""
+    def launch_sample(self, launched: LaunchedForward, step_mask: StepMask | None) -> StepHandle:
+        """The second half of `execute`: mask the constrained rows' logits (`step_mask`, filled on the host),
+        apply the logit controls, sample, take the logprobs of the rows that asked, and copy the ids to the host."""
         inputs, logits = launched.inputs, launched.logits
         graph = inputs.graph_size is not None
         plan, self._logprob_plan = self._logprob_plan, None
@@ -524,7 +524,10 @@ class ModelRunner:
         else:
             logits = logits[:len(inputs.logits_indices)]
             if step_mask is not None:
-                step_mask.apply(logits)
+                if self._device_mask is None:
+                    from nanovllm.structured.bitmask import DeviceMask
+                    self._device_mask = DeviceMask(self.device)
+                self._device_mask.apply(step_mask, logits)
             sampled, sampled_lp = self._sample(logits, inputs)
         self.persistent.last_sampled = sampled
         slot = launched.slot
@@ -550,16 +553,6 @@ class ModelRunner:
         files."""
         for slot, request in loads:
             self.lora.load(slot, load_adapter(request.lora_path, self.config.max_lora_rank, request.lora_name))
-
-    def fill_masks(self, batch: ScheduledBatch) -> StepBitmask | None:
-        """The token masks of the batch's constrained rows from their matchers (read, never advanced), filled on
-        the host and on their way to the device; None when no row is constrained."""
-        if not batch.grammars:
-            return None
-        if self._bitmask is None:  # the first constrained step (importing xgrammar costs seconds)
-            from nanovllm.structured.batch_bitmask import BatchBitmask
-            self._bitmask = BatchBitmask(self.max_batch_size, batch.grammars[0].mask_vocab_size, self.device)
-        return self._bitmask.prepare(batch.grammars, batch.grammar_rows)
 
     def _forward(self, inputs: StepInputs) -> tuple[torch.Tensor | None, TokenLogprobs | None]:
         """The step's logits (None on a tensor-parallel worker: they were gathered to rank 0), and the prompt

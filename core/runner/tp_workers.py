@@ -57,7 +57,7 @@ from nanovllm.runner.tp_step import pack, unpack
 from nanovllm.step_types import ScheduledBatch, StepHandle
 
 if TYPE_CHECKING:
-    from nanovllm.structured import StepBitmask
+    from nanovllm.structured import StepMask
 
 _HOST = "127.0.0.1"
 _STOP, _STEP, _LORA_LOADS = 0, 1, 2  # first word of a message from rank 0
@@ -304,11 +304,8 @@ class TPRunner:
             self.workers.send_step(inputs)
             return self.runner.launch_forward(inputs)
 
-    def launch_sample(self, launched: LaunchedForward, step_mask: StepBitmask | None) -> StepHandle:
+    def launch_sample(self, launched: LaunchedForward, step_mask: StepMask | None) -> StepHandle:
         return self.runner.launch_sample(launched, step_mask)
-
-    def fill_masks(self, batch: ScheduledBatch) -> StepBitmask | None:
-        return self.runner.fill_masks(batch)
 
     def wait(self, handle: StepHandle) -> tuple[list[int], float | None]:
         with self.workers.guard():

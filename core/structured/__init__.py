@@ -1,9 +1,9 @@
 """Structured outputs (JSON schema, JSON object, regex, choice, EBNF grammar) through xgrammar.
 
-Per request: `StructuredOutputsParams` (or `from_response_format` for OpenAI lines) -> `GrammarCompileCache.request`
--> `CompileFuture`; once ready, `CompiledConstraint.new_row(stop_ids)` gives each output row a `RowGrammar`.
-Per step: `BatchBitmask.prepare(grammars, logits_rows)` -> `StepBitmask.apply(logits)` before sampling, then
-`RowGrammar.accept(token)` for each sampled token. docs/STRUCTURED_OUTPUTS.md says how this fits the step loops."""
+`GrammarManager` (one per engine) is the host side: per request `StructuredOutputsParams` (or
+`from_response_format` for OpenAI lines) -> a compile on its pool (`GrammarCompileCache`) -> each output row's
+`RowGrammar`; per step the rows' accepts and token masks -> a `StepMask`, which the device side applies with
+`DeviceMask`. docs/STRUCTURED_OUTPUTS.md says how this fits the step loops."""
 from __future__ import annotations
 
 import importlib
@@ -11,11 +11,14 @@ import importlib
 # Loaded on first use: importing xgrammar takes seconds, and a request without a constraint (SamplingParams imports
 # `params`) must not pay it.
 _HOME = {
-    "BatchBitmask": "batch_bitmask", "StepBitmask": "batch_bitmask",
+    "CopyFence": "bitmask", "DeviceMask": "bitmask", "StepMask": "bitmask",
     "CompileFuture": "compile_cache", "CompiledConstraint": "compile_cache", "ConstraintError": "compile_cache",
     "GrammarCompileCache": "compile_cache",
+    "UnsupportedSchema": "json_schema", "prepare_schema": "json_schema",
+    "GrammarManager": "manager", "StepGrammars": "manager",
     "StructuredOutputsParams": "params", "from_response_format": "params",
     "RowGrammar": "row_grammar",
+    "GrammarVocabulary": "vocabulary",
 }
 __all__ = sorted(_HOME)
 

@@ -1,8 +1,11 @@
-"""Each distinct constraint compiled once, in the background, for one tokenizer and model vocabulary.
+"""Each distinct constraint compiled once, on background threads, for one tokenizer and model vocabulary.
 
-xgrammar releases the GIL while it compiles, so a compile does not stall the step loop's thread. Results are kept
-by canonical key (`StructuredOutputsParams.canonical_key`); an invalid constraint's error is kept the same way, so
-rows sharing it get the same error without a second compile, and no other key is affected.
+The engine's `GrammarVocabulary` (xgrammar's tokenizer tables) is built on a thread of its own from construction
+on, so the first constrained request does not pay for it inside the step loop; compiles queued behind it start
+once it is there. xgrammar releases the GIL while it compiles, so compiles run in parallel with each other and with
+the step loop's thread. Results are kept by canonical key (`StructuredOutputsParams.canonical_key`); an invalid
+constraint's error is kept the same way, so rows sharing it get the same error without a second compile, and no
+other key is affected.
 
 A compile cannot be stopped once xgrammar runs it, so none is waited for beyond need: `max_workers` slots each run
 one compile at a time on a thread of its own and wait at most `compile_time_limit_s` for it; past that the
@@ -10,26 +13,33 @@ constraint's future fails with an error naming the limit and the slot takes the 
 compile to finish on its own and its result to be dropped (the size limits of `bounds` keep that bounded). At most
 `max_overdue` such compiles run on beside the slots: past that a slot waits for one to end before it starts
 another, so hostile constraints cannot pile up threads and memory. Every thread is a daemon, and `shutdown` cancels
-the queued compiles and returns at once: an engine, and a process, stop promptly in the middle of a compile.
-"""
+the queued compiles and returns at once: an engine, and a process, stop promptly in the middle of a compile. This
+module imports xgrammar only on its threads (importing it takes a second or more)."""
 from __future__ import annotations
 
+import atexit
 import json as jsonlib
+import os
 import queue
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
 from concurrent.futures import Future, InvalidStateError
 from concurrent.futures import wait as wait_for_futures
-from dataclasses import dataclass
-
-import torch
-import xgrammar as xgr
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from nanovllm.structured.grammar_check import accepts_some_output
+from nanovllm.structured.json_pattern import splice_patterns
+from nanovllm.structured.json_schema import fix_string_class, prepare_schema
 from nanovllm.structured.params import StructuredOutputsParams
-from nanovllm.structured.row_grammar import RowGrammar, clear_bits_past
+from nanovllm.structured.regex import python_regex
+
+if TYPE_CHECKING:
+    import torch
+    import xgrammar as xgr
+
+    from nanovllm.structured.vocabulary import GrammarVocabulary
 
 COMPILE_TIME_LIMIT_S = 20.0  # the most a constraint may take to compile (seconds)
 
@@ -43,14 +53,21 @@ class ConstraintError(ValueError):
     """A constraint that does not compile; the message names the field and says why."""
 
 
-@dataclass(frozen=True)
+def host_cpus() -> int:
+    """The CPUs this process may run on (its affinity, which containers set), not the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+@dataclass
 class CompiledConstraint:
     key: tuple[str, str]
     grammar: xgr.CompiledGrammar
-
-    def new_row(self, stop_token_ids: Sequence[int]) -> RowGrammar:
-        """A fresh matcher for one output row; `stop_token_ids` (EOS and the row's stop ids) end it."""
-        return RowGrammar(self.grammar, stop_token_ids)
+    vocabulary: GrammarVocabulary
+    # The mask of a fresh row, per set of stop ids: every row of this constraint starts there (GrammarManager).
+    start_masks: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
 
 
 class CompileFuture:
@@ -81,15 +98,6 @@ def _choice_grammar(choices: list[str]) -> str:
     return "root ::= " + " | ".join(jsonlib.dumps(c) for c in choices)
 
 
-def mask_vocab_size(tokenizer, vocab_size: int) -> int:
-    """The ids a grammar's bitmask covers: the tokenizer's (up to its largest id), at most the model's `vocab_size`.
-    A model's vocabulary is often padded past its tokenizer's (Qwen3: 151,936 for 151,669 ids), and xgrammar's
-    fills and accepts cost several times more per padded id (SmolLM2's 49,152 ids in a 151,936 vocabulary: a
-    row's fill inside a JSON string 38 µs against 291, an accept 4 against 33); the ids past it are never allowed
-    (the mask rule of nanovllm.kernels.token_bitmask)."""
-    return min(vocab_size, max(tokenizer.get_vocab().values()) + 1)
-
-
 @dataclass
 class _Job:
     params: StructuredOutputsParams
@@ -112,24 +120,30 @@ def _settle(future: Future, result: object = None, error: BaseException | None =
 
 class GrammarCompileCache:
     """Compiles constraints for one tokenizer. `vocab_size` is the MODEL's (its logits' width), which may exceed
-    the tokenizer's; grammars cover `mask_vocab_size` ids, and the ones past them are never allowed. Thread-safe."""
+    the tokenizer's; grammars cover `mask_vocab_size` ids, and the ones past them are never allowed. Thread-safe.
 
-    def __init__(self, tokenizer, vocab_size: int, max_workers: int = 2, threads_per_compile: int = 2,
+    `max_workers` compiles run at once, each on `threads_per_compile` of xgrammar's threads; the default fills the
+    CPUs this process may use (half of them compiling, two threads each), so many distinct schemas compile in
+    parallel while one schema still gets two threads."""
+
+    def __init__(self, tokenizer, vocab_size: int, max_workers: int | None = None, threads_per_compile: int = 2,
                  max_entries: int = 4096, json_max_whitespace: int | None = 32,
                  compile_time_limit_s: float = COMPILE_TIME_LIMIT_S, max_overdue: int | None = None):
         self.vocab_size = vocab_size
-        self.mask_vocab_size = mask_vocab_size(tokenizer, vocab_size)
-        self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.mask_vocab_size)
-        self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=threads_per_compile,
-                                             cache_enabled=False)  # this class is the cache
+        workers = max_workers or max(2, host_cpus() // 2)
+        self._setup: Future = Future()
+        # A process that exits in the middle of the (short) build aborts inside xgrammar: exit waits for it.
+        atexit.register(self._setup.exception)
+        threading.Thread(target=self._build, args=(tokenizer, vocab_size, threads_per_compile),
+                         name="grammar-vocabulary", daemon=True).start()
         self.compile_time_limit_s = compile_time_limit_s
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._closed = False
-        self._max_overdue = 2 * max_workers if max_overdue is None else max_overdue
+        self._max_overdue = 2 * workers if max_overdue is None else max_overdue
         self._overdue = 0  # compiles given up at the time limit and still running
         self._overdue_ended = threading.Condition()
         self._slots = [threading.Thread(target=self._serve, name=f"grammar-compile-{i}", daemon=True)
-                       for i in range(max_workers)]
+                       for i in range(workers)]
         for slot in self._slots:
             slot.start()
         self._futures: OrderedDict[tuple[str, str], CompileFuture] = OrderedDict()
@@ -140,8 +154,34 @@ class GrammarCompileCache:
         self.json_max_whitespace = json_max_whitespace
         self.num_compiles = 0  # compiles started: one per distinct key while it stays cached
 
+    def _build(self, tokenizer, vocab_size: int, threads: int) -> None:
+        try:
+            import xgrammar as xgr
+
+            from nanovllm.structured.vocabulary import build_vocabulary
+
+            vocabulary = build_vocabulary(tokenizer, vocab_size)
+            # this class is the cache
+            compiler = xgr.GrammarCompiler(vocabulary.tokenizer_info, max_threads=threads, cache_enabled=False)
+            _settle(self._setup, (vocabulary, compiler))
+        except BaseException as exc:  # noqa: BLE001 (every compile reports it)
+            _settle(self._setup, error=exc)
+
+    def vocabulary(self) -> GrammarVocabulary:
+        """The engine's grammar vocabulary; blocks until the background build is done."""
+        return self._setup.result()[0]
+
+    @property
+    def mask_vocab_size(self) -> int:
+        return self.vocabulary().mask_vocab_size
+
+    def ready(self) -> bool:
+        """Whether the vocabulary is built (compiles need it); never blocks."""
+        return self._setup.done()
+
     def request(self, params: StructuredOutputsParams) -> CompileFuture:
-        """The compile of `params`' constraint: queued now if its key is new, else the shared one."""
+        """The compile of `params`' constraint: queued now if its key is new, else the shared one. Never blocks: a
+        compile queued before the vocabulary is built waits for it on its slot."""
         key = params.canonical_key()
         with self._lock:
             if self._closed:
@@ -159,8 +199,10 @@ class GrammarCompileCache:
             return future
 
     def _serve(self) -> None:
-        """A slot: run the queued compiles one at a time, each on its own daemon thread, for at most the limit."""
+        """A slot: run the queued compiles one at a time, each on its own daemon thread, for at most the limit
+        (counted once the vocabulary is built)."""
         while (job := self._queue.get()) is not None:
+            self._setup.exception()  # wait for the vocabulary; a failed build is each compile's error
             with self._overdue_ended:
                 self._overdue_ended.wait_for(lambda: self._overdue < self._max_overdue)
             if self._closed:
@@ -198,37 +240,39 @@ class GrammarCompileCache:
             del self._futures[key]
 
     def _compile(self, params: StructuredOutputsParams, key: tuple[str, str]) -> CompiledConstraint:
+        vocabulary, compiler = self._setup.result()
         kind = key[0]
         try:
-            if kind in ("json", "json_object"):
-                schema = key[1] if kind == "json" else '{"type": "object"}'
-                grammar = self._compiler.compile_json_schema(schema, max_whitespace_cnt=self.json_max_whitespace)
-            elif kind == "regex":
-                grammar = self._compiler.compile_regex(params.regex)
-            elif kind == "choice":
-                grammar = self._compiler.compile_grammar(_choice_grammar(params.choice))
-            else:
-                grammar = self._compiler.compile_grammar(params.grammar)
+            grammar = self._compile_kind(compiler, params, kind, key[1])
         except (RuntimeError, ValueError) as e:  # xgrammar reports bad input as either
             reason = (_NOISE.sub("", str(e)).strip().splitlines() or [type(e).__name__])[0]
             raise ConstraintError(f"structured_outputs.{kind}: invalid {_WHAT[kind]}: {reason}") from None
-        if not self._accepts_some_output(grammar):
+        if not _accepts_some_output(grammar, vocabulary.mask_vocab_size):
             raise ConstraintError(f"structured_outputs.{kind}: the {_WHAT[kind]} accepts no output at all (no finite "
                                   "text matches it: e.g. a $ref that refers only to itself, or an object that "
                                   "requires itself)")
-        return CompiledConstraint(key, grammar)
+        return CompiledConstraint(key, grammar, vocabulary)
 
-    def _accepts_some_output(self, grammar: xgr.CompiledGrammar) -> bool:
-        """Some finite text matches: the grammar has a finite match, and some token can start one."""
-        if not accepts_some_output(str(grammar.grammar)):
-            return False
-        matcher = xgr.GrammarMatcher(grammar)
-        if matcher.is_completed():
-            return True
-        bitmask = xgr.allocate_token_bitmask(1, self.mask_vocab_size)
-        matcher.fill_next_token_bitmask(bitmask)
-        clear_bits_past(bitmask, self.mask_vocab_size)
-        return bool(torch.any(bitmask != 0))
+    def _compile_kind(self, compiler: xgr.GrammarCompiler, params: StructuredOutputsParams, kind: str,
+                      text: str) -> xgr.CompiledGrammar:
+        import xgrammar as xgr
+
+        if kind == "json":
+            prepared = prepare_schema(jsonlib.loads(text))
+            schema_text = jsonlib.dumps(prepared.schema)
+            if not prepared.needs_grammar_text:
+                return compiler.compile_json_schema(schema_text, max_whitespace_cnt=self.json_max_whitespace)
+            grammar = str(xgr.Grammar.from_json_schema(schema_text, max_whitespace_cnt=self.json_max_whitespace))
+            if prepared.long_strings:
+                grammar = fix_string_class(grammar)
+            return compiler.compile_grammar(splice_patterns(grammar, prepared.patterns))
+        if kind == "json_object":
+            return compiler.compile_json_schema('{"type": "object"}', max_whitespace_cnt=self.json_max_whitespace)
+        if kind == "regex":
+            return compiler.compile_regex(python_regex(params.regex))
+        if kind == "choice":
+            return compiler.compile_grammar(_choice_grammar(params.choice))
+        return compiler.compile_grammar(params.grammar)
 
     def shutdown(self) -> None:
         """Cancel the queued compiles and return at once (a running compile finishes on its own, unawaited)."""
@@ -243,3 +287,21 @@ class GrammarCompileCache:
                 job.future.cancel()
         for _ in self._slots:
             self._queue.put(None)
+
+
+def _accepts_some_output(grammar: xgr.CompiledGrammar, mask_vocab_size: int) -> bool:
+    """Some finite text matches: the grammar has a finite match, and some token can start one."""
+    import torch
+    import xgrammar as xgr
+
+    from nanovllm.structured.vocabulary import clear_bits_past
+
+    if not accepts_some_output(str(grammar.grammar)):
+        return False
+    matcher = xgr.GrammarMatcher(grammar)
+    if matcher.is_completed():
+        return True
+    bitmask = xgr.allocate_token_bitmask(1, mask_vocab_size)
+    matcher.fill_next_token_bitmask(bitmask)
+    clear_bits_past(bitmask, mask_vocab_size)
+    return bool(torch.any(bitmask != 0))

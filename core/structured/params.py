@@ -82,7 +82,15 @@ class StructuredOutputsParams:
     def canonical_key(self) -> tuple[str, str]:
         """(kind, canonical text): equal keys compile to the same grammar. A schema is keyed by its JSON without
         whitespace (dict or text, any formatting: one key). Its key order is kept, not sorted: the grammar emits
-        properties in the schema's order, so two orders are two different output formats."""
+        properties in the schema's order, so two orders are two different output formats. Computed once per
+        instance: rows sharing their params look their grammar up in O(1)."""
+        key = self.__dict__.get("_canonical_key")
+        if key is None:
+            key = self._make_key()
+            object.__setattr__(self, "_canonical_key", key)
+        return key
+
+    def _make_key(self) -> tuple[str, str]:
         kind = self.kind
         if kind == "json":
             schema = jsonlib.loads(self.json) if isinstance(self.json, str) else self.json

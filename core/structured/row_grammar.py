@@ -2,57 +2,72 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import xgrammar as xgr
 
+from nanovllm.structured.vocabulary import clear_bits_past
 
-def clear_bits_past(bitmask: torch.Tensor, vocab_size: int) -> None:
-    """Zero the bits of ids >= `vocab_size` in the last word of each row of `bitmask` (xgrammar may leave them
-    set), so that no id past the grammar's vocabulary is allowed."""
-    if vocab_size % 32:
-        bitmask[:, vocab_size // 32] &= (1 << vocab_size % 32) - 1
+if TYPE_CHECKING:
+    from nanovllm.structured.compile_cache import CompiledConstraint
 
 
 class RowGrammar:
     """An xgrammar matcher for one row. While the grammar is incomplete its bitmask allows only tokens that keep
     the output a valid prefix; once complete, it also allows the stop tokens (EOS and the row's stop ids), and
-    once nothing can follow, only them. Accepting a stop token terminates the row: it finishes with "stop"."""
+    once nothing can follow, only them. Accepting a stop token terminates the row: it finishes with "stop".
 
-    def __init__(self, grammar: xgr.CompiledGrammar, stop_token_ids: Sequence[int]):
-        self.mask_vocab_size = grammar.tokenizer_info.vocab_size  # ids past it are never allowed
+    `slot` and `mask_at` belong to the GrammarManager: the row's line in its host mask tables, and (step mask
+    number, slot) of the last mask written there for the row's current place."""
+
+    __slots__ = ("compiled", "mask_vocab_size", "_matcher", "stop_token_ids", "num_accepted", "rejected_token",
+                 "dead_end", "slot", "mask_at")
+
+    def __init__(self, compiled: CompiledConstraint, stop_token_ids: Sequence[int]):
+        self.compiled = compiled
+        self.mask_vocab_size = compiled.vocabulary.mask_vocab_size  # ids past it are never allowed
         # a stop id past the tokenizer's ids can never be sampled in a constrained row
         stop = sorted({t for t in stop_token_ids if t < self.mask_vocab_size})
         if not stop:
             raise ValueError("a constrained row needs at least one stop token id (EOS) to end on")
-        self._matcher = xgr.GrammarMatcher(grammar, override_stop_tokens=stop)
+        self._matcher = xgr.GrammarMatcher(compiled.grammar, override_stop_tokens=stop)
         self.stop_token_ids = tuple(stop)
         self.num_accepted = 0
-        self.rejected_token: int | None = None  # the last token `accept` refused
+        self.rejected_token: int | None = None  # the last token the grammar refused
         # Where it was refused, no token at all could follow: the constraint needs text this tokenizer cannot spell
         # (the mask allowed nothing, so the sampler's pick meant nothing); else the refusal is an engine bug.
         self.dead_end = False
+        self.slot: int | None = None
+        self.mask_at: tuple[int, int] | None = None
 
     def fork(self) -> RowGrammar:
-        """An independent copy at the same place (a request with `n` > 1 forks its rows)."""
+        """An independent copy at the same place (its own slot, none yet)."""
         twin = object.__new__(RowGrammar)
+        twin.compiled = self.compiled
         twin.mask_vocab_size = self.mask_vocab_size
         twin._matcher = self._matcher.fork()
         twin.stop_token_ids = self.stop_token_ids
         twin.num_accepted = self.num_accepted
         twin.rejected_token = self.rejected_token
         twin.dead_end = self.dead_end
+        twin.slot = twin.mask_at = None
         return twin
 
     def accept(self, token_id: int) -> bool:
         """Advance by one sampled token; False (state unchanged, the token kept as `rejected_token`) if the grammar
         does not allow it here."""
         accepted = self._matcher.accept_token(token_id)
-        self.num_accepted += accepted
-        if not accepted:
-            self.rejected_token = token_id
-            self.dead_end = not self._allows_some_token()
+        if accepted:
+            self.num_accepted += 1
+        else:
+            self.note_rejected(token_id)
         return accepted
+
+    def note_rejected(self, token_id: int) -> None:
+        """The grammar refused `token_id` here (given one by one or in a batch): the row fails, and why."""
+        self.rejected_token = token_id
+        self.dead_end = not self._allows_some_token()
 
     def _allows_some_token(self) -> bool:
         bitmask = xgr.allocate_token_bitmask(1, self.mask_vocab_size)
@@ -90,6 +105,7 @@ class RowGrammar:
         if num_tokens:
             self._matcher.rollback(num_tokens)
             self.num_accepted -= num_tokens
+            self.mask_at = None
 
     @property
     def matcher(self) -> xgr.GrammarMatcher:
