@@ -175,7 +175,6 @@ def ray_job(input_path: str, output: str | None, input_format: str | None, engin
 def run_on_ray(job: RayJob) -> dict:
     """Run the job; returns its summary, with the exit code of `nanovllm run`'s rules."""
     from nanovllm_cli.metrics import check_writable
-    from nanovllm_cli.run_cmd import pooling_of
 
     started = time.perf_counter()
     try:
@@ -184,7 +183,7 @@ def run_on_ray(job: RayJob) -> dict:
         check_output(job.output, job.input)
         engine_args = job.engine.args(job.seed)
         chat_template = job.engine.chat_template_text()
-        spec = pooling_of(job.engine)  # None where this machine cannot resolve the model: the nodes say why
+        spec = o.pooling_of(job.engine)  # None where this machine cannot resolve the model: the nodes say why
         # The rows' own fields are not carried: a Parquet shard's columns are fixed before its rows are read.
         layout = RecordLayout(openai=first_row_is_openai(files), include_token_ids=job.include_token_ids,
                               task=spec.task if spec else None, drop_columns=True)

@@ -19,7 +19,7 @@ from nanovllm_cli.options import EngineOptions, ExitCode, with_engine_options
 if TYPE_CHECKING:  # the engine imports torch: not needed for `--help`
     from rich.console import Console
 
-    from nanovllm import LLM, PoolingSpec
+    from nanovllm import LLM
     from nanovllm_cli.display import Snapshot
     from nanovllm_cli.job import BatchRunner, RunStats
     from nanovllm_cli.preflight import InputScan, OutputLock
@@ -178,7 +178,7 @@ def run(
     output = Path(output) if output else input_path.with_name(f"{input_path.stem}.results.jsonl")
     if output.suffix.lower() not in (".jsonl", ".parquet"):
         raise o.fail(f"OUTPUT must end in .jsonl or .parquet, not {output.name!r}")
-    pooling = pooling_of(engine)
+    pooling = o.pooling_of(engine)
     task = pooling.task if pooling is not None else None
     try:
         fmt = detect_format(input_path, input_format)
@@ -239,18 +239,6 @@ def run(
     finally:
         lock.release()
     finish({"input": str(input_path), **summary}, quiet, json_summary)
-
-
-def pooling_of(engine: EngineOptions) -> PoolingSpec | None:
-    """How the engine these options describe pools (None: it generates), from the model's config before it
-    loads. A model or task that cannot be resolved counts as generating here: loading it reports why, once the
-    whole-file checks have had their say."""
-    from nanovllm import pooling_spec
-
-    try:
-        return pooling_spec(engine.model, **engine.args())
-    except (ValueError, OSError, ImportError, KeyError):
-        return None
 
 
 def record_layout(scan: InputScan, output: Path, include_token_ids: bool, drop_columns: bool, task: str | None,
