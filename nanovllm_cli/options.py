@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Annotated, get_type_hints
 import typer
 
 if TYPE_CHECKING:
-    from nanovllm import LLM, PromptTokenizer
+    from nanovllm import LLM, PoolingSpec, PromptTokenizer
 
 ENGINE = "Engine"
 SAMPLING = "Sampling defaults (a row's own fields win)"
@@ -148,6 +148,18 @@ class EngineOptions:
                 "enable_lora": self.enable_lora or bool(self.lora_modules) or None,
                 "max_loras": self.max_loras, "max_lora_rank": self.max_lora_rank}
         return {k: v for k, v in args.items() if v is not None}
+
+
+def pooling_of(engine: EngineOptions) -> PoolingSpec | None:
+    """How the engine these options describe pools (None: it generates), from the model's config before it
+    loads. A model or task that cannot be resolved counts as generating here: loading it reports why, once the
+    whole-file checks have had their say (with --ray, on the node that loads it: the driver may lack the model)."""
+    from nanovllm import pooling_spec
+
+    try:
+        return pooling_spec(engine.model, **engine.args())
+    except (ValueError, OSError, ImportError, KeyError):
+        return None
 
 
 def with_engine_options(*names: str) -> Callable[[Callable], Callable]:

@@ -17,9 +17,11 @@ from nanovllm_cli.interrupts import interruptible
 from nanovllm_cli.options import EngineOptions, ExitCode, with_engine_options
 
 if TYPE_CHECKING:  # the engine imports torch: not needed for `--help`
-    from nanovllm import LLM, PoolingSpec
+    from rich.console import Console
+
+    from nanovllm import LLM
     from nanovllm_cli.display import Snapshot
-    from nanovllm_cli.job import RunStats
+    from nanovllm_cli.job import BatchRunner, RunStats
     from nanovllm_cli.preflight import InputScan, OutputLock
     from nanovllm_cli.records import RecordLayout
     from nanovllm_cli.replicas import ReplicaPool
@@ -27,6 +29,7 @@ if TYPE_CHECKING:  # the engine imports torch: not needed for `--help`
     from nanovllm_cli.writers import Answered
 
 IO = "Input and output"
+LONG = "Long jobs"
 RAY = "Ray cluster"
 
 
@@ -72,6 +75,14 @@ def run(
         "--json", help="Print the summary as one JSON object on stdout.", rich_help_panel=IO)] = False,
     log_interval: Annotated[float, typer.Option(
         help="Seconds between progress lines when stderr is not a terminal.", rich_help_panel=IO)] = 10.0,
+    metrics_file: Annotated[Path | None, typer.Option(
+        help="Write the live figures (rows, tokens, errors, retries, each replica's) as JSON lines to this file, "
+        "every --metrics-interval seconds and at the end, for a dashboard to tail.", rich_help_panel=LONG)] = None,
+    metrics_interval: Annotated[float, typer.Option(
+        help="Seconds between lines of --metrics-file.", rich_help_panel=LONG)] = 10.0,
+    max_restarts: Annotated[int, typer.Option(
+        help="Times each replica (--data-parallel-size process, --ray engine actor) is restarted after it dies; "
+        "its rows go to the others meanwhile.", min=0, rich_help_panel=LONG)] = 3,
     max_tokens: o.MaxTokens = 64,
     temperature: o.Temperature = 0.0,
     top_p: o.TopP = 1.0,
@@ -84,7 +95,8 @@ def run(
         help="embed: keep the first N features of each embedding (Matryoshka models), then normalize; a row's own "
         "'dimensions' wins.", rich_help_panel=o.POOLING)] = None,
     ray: Annotated[bool, typer.Option(
-        "--ray", help="Run on a Ray cluster with Ray Data (pip install 'nanovllm[ray]'): one engine per replica.",
+        "--ray", help="Run on a Ray cluster (pip install 'nanovllm[ray]'): one engine per Ray actor, OUTPUT a "
+        "folder of committed shards that --resume completes.",
         rich_help_panel=RAY)] = False,
     ray_address: Annotated[str | None, typer.Option(
         help="The cluster to join (default: RAY_ADDRESS, else a local one).", rich_help_panel=RAY)] = None,
@@ -130,8 +142,12 @@ def run(
     --resume kept: --retry-failed reruns them), every other row answered; 2 usage error (nothing run); 3 internal
     error mid-job; 130 interrupted. After 3 or 130, or a kill, run again with --resume.
     """
+    from rich.console import Console
+
     from nanovllm import SamplingParams
+    from nanovllm_cli.display import notice
     from nanovllm_cli.lora_modules import LoRAModules
+    from nanovllm_cli.metrics import check_writable
     from nanovllm_cli.pooling_rows import PoolingRowParser
     from nanovllm_cli.preflight import OutputLock, PreflightError, duplicates_message, scan_input
     from nanovllm_cli.readers import detect_format, iter_rows
@@ -139,20 +155,22 @@ def run(
 
     defaults = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
                 "min_p": min_p, "stop": stop or [], "ignore_eos": ignore_eos}
+    for name, value in (("--log-interval", log_interval), ("--metrics-interval", metrics_interval)):
+        if not (math.isfinite(value) and value > 0):
+            raise o.fail(f"{name} must be a positive number of seconds, not {value}")
     if ray or ray_address is not None or ray_replicas is not None:
         from nanovllm_cli.ray_job import ray_job
 
-        unsupported = {"--resume": resume, "--retry-failed": retry_failed, "--sync": sync,
-                       "--log-interval": log_interval != 10.0, "--ray-address/--ray-replicas without --ray": not ray,
+        unsupported = {"--ray-address/--ray-replicas without --ray": not ray,
                        "--data-parallel-size (use --ray-replicas)": engine.data_parallel_size > 1,
                        "--lora-modules": bool(engine.lora_modules)}
         summary = ray_job(input_path, output, input_format, engine, defaults, seed, unsupported,
                           include_token_ids=include_token_ids, reorder=reorder, window=window,
                           replicas=ray_replicas or 1, address=ray_address, overwrite=overwrite, quiet=quiet,
-                          pooling={"dimensions": dimensions})
+                          resume=resume or retry_failed or sync, retry_failed=retry_failed, sync=sync,
+                          log_interval=log_interval, metrics_file=metrics_file, metrics_interval=metrics_interval,
+                          max_restarts=max_restarts, pooling={"dimensions": dimensions})
         finish(summary, quiet, json_summary)
-    if not (math.isfinite(log_interval) and log_interval > 0):
-        raise o.fail(f"--log-interval must be a positive number of seconds, not {log_interval}")
     input_path = Path(input_path)
     if not input_path.is_file():
         raise o.fail(f"INPUT {input_path} " + ("is a directory: a directory or a glob needs --ray"
@@ -160,7 +178,7 @@ def run(
     output = Path(output) if output else input_path.with_name(f"{input_path.stem}.results.jsonl")
     if output.suffix.lower() not in (".jsonl", ".parquet"):
         raise o.fail(f"OUTPUT must end in .jsonl or .parquet, not {output.name!r}")
-    pooling = pooling_of(engine)
+    pooling = o.pooling_of(engine)
     task = pooling.task if pooling is not None else None
     try:
         fmt = detect_format(input_path, input_format)
@@ -189,14 +207,20 @@ def run(
         embedding_size = dimensions or pooling.output_size
     layout = record_layout(scan, output, include_token_ids, drop_columns, task, embedding_size)
     resume = resume or retry_failed or sync
+    try:
+        check_writable(metrics_file)
+    except OSError as exc:
+        raise o.fail(f"cannot write --metrics-file {metrics_file}: {exc.strerror or exc}") from None
     lock = OutputLock(output)
+    console = Console(stderr=True)
     try:
         answered = prepare_output(output, input_path, layout, lock, scan.fingerprints, resume=resume,
                                   retry_failed=retry_failed, sync=sync, overwrite=overwrite)
         if engine.data_parallel_size > 1:
             from nanovllm_cli.replicas import load_replicas
 
-            source = load_replicas(engine, seed)
+            source = load_replicas(engine, seed, max_restarts=max_restarts,
+                                   on_event=lambda message: notice(console, message))
         else:
             source = o.load_llm(engine, seed)
         with source:
@@ -209,22 +233,12 @@ def run(
             rows = (parser.parse(number, row) for number, row in iter_rows(input_path, fmt))
             code, summary = run_job(source, rows, scan.rows, layout, output, append=resume, skip_ids=answered.ids,
                                     failed_before=len(answered.failed), fingerprints=scan.fingerprints,
-                                    window=window, reorder=reorder, quiet=quiet, log_interval=log_interval)
+                                    window=window, reorder=reorder, quiet=quiet, log_interval=log_interval,
+                                    console=console, metrics=(metrics_file, metrics_interval),
+                                    max_tokens=max_tokens)
     finally:
         lock.release()
     finish({"input": str(input_path), **summary}, quiet, json_summary)
-
-
-def pooling_of(engine: EngineOptions) -> PoolingSpec | None:
-    """How the engine these options describe pools (None: it generates), from the model's config before it
-    loads. A model or task that cannot be resolved counts as generating here: loading it reports why, once the
-    whole-file checks have had their say."""
-    from nanovllm import pooling_spec
-
-    try:
-        return pooling_spec(engine.model, **engine.args())
-    except (ValueError, OSError, ImportError, KeyError):
-        return None
 
 
 def record_layout(scan: InputScan, output: Path, include_token_ids: bool, drop_columns: bool, task: str | None,
@@ -302,12 +316,15 @@ def prepare_output(output: Path, input_path: Path, layout: RecordLayout, lock: O
 
 def run_job(source: LLM | ReplicaPool, rows: Iterable[RowRequest | RowError], rows_total: int, layout: RecordLayout,
             output: Path, *, append: bool, skip_ids: set[str], failed_before: int, fingerprints: dict[str, str],
-            window: int, reorder: bool, quiet: bool, log_interval: float) -> tuple[ExitCode, dict]:
+            window: int, reorder: bool, quiet: bool, log_interval: float, console: Console | None = None,
+            metrics: tuple[Path | None, float] = (None, 10.0), max_tokens: int = 64) -> tuple[ExitCode, dict]:
     """Run every row into OUTPUT through one engine or the replicas of `source`; returns the exit code and the
-    summary. `failed_before`: error records of earlier runs that stay in OUTPUT."""
+    summary. `failed_before`: error records of earlier runs that stay in OUTPUT; `metrics`: the metrics file and
+    its interval; `max_tokens`: the default of rows without their own (it bounds the ETA)."""
     from nanovllm import LLM
     from nanovllm_cli.display import ProgressDisplay
     from nanovllm_cli.job import BatchRunner, EngineFeeder, JobFailed, RunStats
+    from nanovllm_cli.metrics import MetricsLog
     from nanovllm_cli.records import RecordBuilder
     from nanovllm_cli.writers import OutputWriteError, open_writer
 
@@ -315,15 +332,22 @@ def run_job(source: LLM | ReplicaPool, rows: Iterable[RowRequest | RowError], ro
         writer = open_writer(output, layout, append)
     except OSError as exc:
         raise o.fail(f"cannot write {output}: {exc.strerror or exc}") from None
+    metrics_log = MetricsLog(*metrics, lambda: snapshot(stats, source, runner, max_tokens))
     stats = RunStats(rows_total=rows_total)
-    display = ProgressDisplay(lambda: snapshot(stats, source), quiet=quiet, log_interval=log_interval)
+    display = ProgressDisplay(lambda: snapshot(stats, source, runner, max_tokens), quiet=quiet,
+                              log_interval=log_interval, console=console)
     engine = EngineFeeder(source) if isinstance(source, LLM) else source
+
+    def on_step() -> None:
+        display.tick()
+        metrics_log.tick()
+
     runner = BatchRunner(engine, writer, RecordBuilder(layout, source.info.model, fingerprints), stats,
-                         window=window, reorder=reorder, skip_ids=skip_ids, on_step=display.tick,
+                         window=window, reorder=reorder, skip_ids=skip_ids, on_step=on_step,
                          on_error=display.row_error)
     code = ExitCode.OK
     try:
-        with display:
+        with display, metrics_log:
             runner.run(rows)
     except KeyboardInterrupt:
         code = ExitCode.INTERRUPTED
@@ -357,25 +381,27 @@ def stop_message(rows_done: int, records_kept: int, output: Path) -> str:
     return f"{done}; run again with --resume to finish"
 
 
-def snapshot(stats: RunStats, source: LLM | ReplicaPool) -> Snapshot:
-    """The live figures from the engine's report (with replicas: their merged one, and each one's tok/s)."""
-    from nanovllm_cli.display import Snapshot, eta_seconds
+def snapshot(stats: RunStats, source: LLM | ReplicaPool, runner: BatchRunner, max_tokens: int) -> Snapshot:
+    """The live figures from the engine's report (with replicas: their merged one, and each one's)."""
+    from nanovllm_cli.display import ReplicaProgress, Snapshot, eta_seconds
 
     report = source.report()
     metrics = report["kv_cache"]
     elapsed = stats.elapsed_s
     generated = report["tokens"]["generated"]
     rows_done = stats.rows_done + stats.rows_skipped
-    eta = eta_seconds(stats.rows_total - rows_done, stats.completion_tokens / stats.rows_ok if stats.rows_ok else None,
-                      generated - stats.completion_tokens, generated / elapsed)
+    left = runner.output_tokens_left(stats.completion_tokens / stats.rows_ok, max_tokens) if stats.rows_ok else None
+    eta = eta_seconds(left, generated - stats.completion_tokens, generated / elapsed)
     if source.info.pooling is not None and stats.rows_done:  # a pooling job generates nothing: by its row rate
         eta = (stats.rows_total - rows_done) * elapsed / stats.rows_done
+    replicas = [ReplicaProgress(r["index"], r["pid"], r["state"], r["rows"], r["outstanding"], r["generated_tokens"],
+                                r["generated_tokens"] / elapsed, r["restarts"]) for r in report.get("replicas", ())]
     return Snapshot(
         rows_done=rows_done, rows_total=stats.rows_total, rows_failed=stats.rows_failed,
         rows_per_s=stats.rows_done / elapsed, output_tok_s=generated / elapsed, eta_s=eta,
         prefill_tok_s=report["tokens"]["prefill"] / elapsed, kv_cache_usage=metrics["kv_cache_usage"],
-        prefix_hit_rate=metrics["prefix_cache"]["hit_rate"], elapsed_s=elapsed,
-        replica_tok_s=[r["generated_tokens"] / elapsed for r in report["replicas"]] if "replicas" in report else None)
+        prefix_hit_rate=metrics["prefix_cache"]["hit_rate"], elapsed_s=elapsed, generated_tokens=generated,
+        completion_tokens=stats.completion_tokens, replicas=replicas or None, retries=report.get("retries"))
 
 
 def build_summary(stats: RunStats, source: LLM | ReplicaPool, output: Path, layout: RecordLayout,
@@ -385,8 +411,8 @@ def build_summary(stats: RunStats, source: LLM | ReplicaPool, output: Path, layo
     elapsed = stats.elapsed_s
     report = source.report()
     replicas = {"data_parallel_size": len(report["replicas"]),
-                "replicas": [{**r, "output_tok_s": r["completion_tokens"] / elapsed} for r in report["replicas"]]
-                } if "replicas" in report else {}
+                "replicas": [{**r, "output_tok_s": r["completion_tokens"] / elapsed} for r in report["replicas"]],
+                "retries": report["retries"]} if "replicas" in report else {}
     return {
         "output": str(output),
         "output_format": "openai" if layout.openai else "plain",
