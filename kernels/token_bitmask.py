@@ -24,7 +24,9 @@ def bitmask_width(vocab_size: int) -> int:
     return -(-vocab_size // 32)
 
 
-@triton.jit
+# A bitmask's row stride is its tokenizer's word count, which Triton would specialize on (divisible by 16 or not):
+# unspecialized, the kernel that engine start-up compiles is the one every tokenizer's masks use.
+@triton.jit(do_not_specialize=["stride_bitmask"])
 def _apply_token_bitmask_kernel(logits, bitmask, row_indices, stride_logits, stride_bitmask, vocab_size,
                                 mask_tokens, BLOCK: tl.constexpr):
     entry = tl.program_id(0).to(tl.int64)

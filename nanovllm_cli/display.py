@@ -16,6 +16,20 @@ from rich.text import Text
 
 
 @dataclass
+class ReplicaProgress:
+    """One engine replica (a --data-parallel-size process or a --ray actor) in the live figures."""
+
+    index: int
+    pid: int | None  # its process (a --ray actor's on its node)
+    state: str  # "starting" | "ready" | "retired" (died with no restart left)
+    rows: int  # rows it answered
+    outstanding: int  # rows it holds, not answered yet
+    generated_tokens: int
+    tok_s: float  # its generated tokens over the job's elapsed time (the replicas' rates add up to the job's)
+    restarts: int = 0
+
+
+@dataclass
 class Snapshot:
     rows_done: int  # including rows skipped because OUTPUT has them
     rows_total: int
@@ -23,23 +37,39 @@ class Snapshot:
     rows_per_s: float  # rows answered or failed by this run
     output_tok_s: float  # tokens generated per second, counted every step (not only those of finished rows)
     prefill_tok_s: float
-    kv_cache_usage: float
-    prefix_hit_rate: float
+    kv_cache_usage: float | None  # None where the engines' figures do not reach the driver
+    prefix_hit_rate: float | None
     elapsed_s: float
     eta_s: float | None
     eta_bound_s: float | None = None  # at most this long: the rows' max_tokens at the output rate (progress.py)
-    replica_tok_s: list[float] | None = None  # with data parallelism: each replica's output tok/s
+    generated_tokens: int = 0
+    completion_tokens: int = 0  # of the rows answered
+    replicas: list[ReplicaProgress] | None = None  # with several engines: each one's
+    retries: dict | None = None  # replica_deaths, replica_restarts, rows_rerun, rows_failed_by_deaths
 
     def figures(self) -> str:
-        replicas = "" if self.replica_tok_s is None else (
-            " | replicas " + " / ".join(f"{t:,.1f}" for t in self.replica_tok_s) + " tok/s")
-        return (f"{self.rows_failed} failed | out {self.output_tok_s:,.1f} tok/s{replicas} | prefill "
-                f"{self.prefill_tok_s:,.1f} tok/s | kv {self.kv_cache_usage:.0%} | prefix hit "
-                f"{self.prefix_hit_rate:.0%} | eta {self.eta()}")
+        parts = [f"{self.rows_failed} failed", f"out {self.output_tok_s:,.1f} tok/s"]
+        if self.replicas is not None:
+            parts.append("replicas " + " / ".join(f"{r.tok_s:,.1f}" if r.state == "ready" else r.state
+                                                  for r in self.replicas) + " tok/s")
+        if self.retries and self.retries["replica_deaths"]:
+            parts.append(f"{self.retries['replica_deaths']} replica deaths, {self.retries['rows_rerun']} rows rerun")
+        parts.append(f"prefill {self.prefill_tok_s:,.1f} tok/s")
+        if self.kv_cache_usage is not None:
+            parts.append(f"kv {self.kv_cache_usage:.0%}")
+        if self.prefix_hit_rate is not None:
+            parts.append(f"prefix hit {self.prefix_hit_rate:.0%}")
+        parts.append(f"eta {self.eta()}")
+        return " | ".join(parts)
 
     def eta(self) -> str:
         """'0s' once every row is answered; while rows remain, never '0s' (see `eta_text`)."""
         return "0s" if self.rows_done >= self.rows_total else eta_text(self.eta_s, self.eta_bound_s)
+
+    def as_dict(self) -> dict:
+        """The figures for a machine (the metrics file)."""
+        return {**{k: v for k, v in vars(self).items() if k != "replicas"},
+                "replicas": None if self.replicas is None else [vars(r) for r in self.replicas]}
 
 
 def eta_text(eta_s: float | None, bound_s: float | None) -> str:
@@ -53,13 +83,19 @@ def eta_text(eta_s: float | None, bound_s: float | None) -> str:
     return f"<= {left(bound_s)}" if eta_s is None else f"{left(eta_s)} (<= {left(bound_s)})"
 
 
-def eta_seconds(rows_left: int, tokens_per_row: float | None, tokens_in_flight: int, tok_s: float) -> float | None:
-    """Time to generate what is left: the rows not finished at the mean length of the finished ones, less what
-    the rows in flight already generated, at the current token rate. It moves during long rows, where a rate of
-    finished rows stands still; unknown until a row has finished."""
-    if tokens_per_row is None or tok_s <= 0:
+def eta_seconds(tokens_left: float | None, tokens_in_flight: int, tok_s: float) -> float | None:
+    """Time to generate what is left: `tokens_left`, the output the unanswered rows are expected to produce (each
+    row at the mean length of the finished ones, never more than its max_tokens), less what the rows in flight
+    already generated, at the current token rate. It moves during long rows, where a rate of finished rows
+    stands still; unknown until a row has finished."""
+    if tokens_left is None or tok_s <= 0:
         return None
-    return max(rows_left * tokens_per_row - tokens_in_flight, 0.0) / tok_s
+    return max(tokens_left - tokens_in_flight, 0.0) / tok_s
+
+
+def notice(console: Console, message: str) -> None:
+    """Something the job went through (a replica died and was restarted), on stderr, quiet or not."""
+    console.print(Text.assemble(("notice ", "yellow"), message), soft_wrap=True, highlight=False)
 
 
 def duration(seconds: float | None) -> str:
@@ -142,7 +178,7 @@ def _pct(value: float | None) -> str:
 
 def summary_rows(summary: dict) -> list[tuple[str, str]]:
     """The figures of the summary table; GPU figures only when the engine ran on a GPU (docs/ARCHITECTURE.md), the
-    engine's figures only when it ran in this process (not with --ray)."""
+    engine's figures only when it ran in this process or its replicas (not with --ray)."""
     engine = summary.get("engine")
     rows = [
         ("output", f"{summary['output']} ({summary['output_format']})"),
@@ -156,9 +192,37 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
         ("output / prefill tok/s (job)",
          f"{_fmt(summary['output_tok_s'])} / {_fmt(summary['prefill_tok_s'])}"),
     ]
-    if engine is None:
-        return [*rows, ("exit code", str(summary["exit_code"]))]
-    rows += [
+    retries = summary.get("retries")
+    if retries is not None:
+        rows.append(("retried", retried(retries)))
+    if engine is not None:
+        rows += engine_rows(engine)
+    for replica in summary.get("replicas", ()):
+        if "node" in replica:  # a --ray engine actor
+            where = replica["node"] or "not started"
+        else:
+            where = ",".join(replica["devices"]) if replica["devices"] else "CPU"
+        hit = replica["cached_tokens"] / replica["prompt_tokens"] if replica["prompt_tokens"] else 0.0
+        restarts = f", restarted {replica['restarts']}x" if replica.get("restarts") else ""
+        rows.append((f"replica {replica['index']} ({where}, pid {replica['pid']})",
+                     f"{_fmt(replica['rows'])} rows, {_fmt(replica['output_tok_s'])} output tok/s, prefix hit "
+                     f"{_pct(hit)}, started in {_fmt(replica.get('start_s'), ' s')}{restarts}"))
+    rows.append(("exit code", str(summary["exit_code"])))
+    return rows
+
+
+def retried(retries: dict) -> str:
+    """What a job went through, in a few words: "nothing", or the deaths, restarts and rows run again."""
+    if not retries["replica_deaths"]:
+        return "nothing"
+    given_up = retries["rows_failed_by_deaths"]
+    return (f"{retries['replica_deaths']} replica deaths, {retries['replica_restarts']} restarts, "
+            f"{retries['rows_rerun']} rows rerun" + (f", {given_up} rows given up (error records)" if given_up else ""))
+
+
+def engine_rows(engine: dict) -> list[tuple[str, str]]:
+    """The engine's figures (when it ran in this process or in its replicas; not with --ray)."""
+    rows = [
         ("engine", f"{engine['device']}, {engine['loop']}, {engine['steps']:,} steps, {engine['preemptions']} preempted"),
         ("output / prefill tok/s (engine steps)",
          f"{_fmt(engine['output_tok_s'])} / {_fmt(engine['prefill_tok_s'])}"),
@@ -169,13 +233,6 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
     ]
     if engine["gpu_busy_frac"] is not None:
         rows.append(("GPU busy / idle", f"{_pct(engine['gpu_busy_frac'])} / {_pct(engine['gpu_idle_frac'])}"))
-    for replica in summary.get("replicas", ()):
-        devices = ",".join(replica["devices"]) if replica["devices"] else "CPU"
-        hit = replica["cached_tokens"] / replica["prompt_tokens"] if replica["prompt_tokens"] else 0.0
-        rows.append((f"replica {replica['index']} ({devices}, pid {replica['pid']})",
-                     f"{_fmt(replica['rows'])} rows, {_fmt(replica['output_tok_s'])} output tok/s, prefix hit "
-                     f"{_pct(hit)}"))
-    rows.append(("exit code", str(summary["exit_code"])))
     return rows
 
 

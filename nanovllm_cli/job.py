@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import NoReturn, Protocol
 
-from nanovllm import LLM, PromptTokenizer, RequestOutput, StepFailedError
+from nanovllm import LLM, PromptTokenizer, RequestOutput, SamplingParams, StepFailedError
 from nanovllm_cli.admission import PrefixGroup, admission_groups
 from nanovllm_cli.records import RecordBuilder
 from nanovllm_cli.rows import RowError, RowRequest
@@ -98,10 +98,13 @@ class Engine(Protocol):
 
 class EngineFeeder:
     """Feeds prefix groups into one engine: at most `max_num_seqs` requests in it, a group's followers one step
-    after its leader (so they hit the leader's cached prefix blocks), one engine step per `step()`."""
+    after its leader (so they hit the leader's cached prefix blocks), one engine step per `step()`.
+    `on_admit(ids)`: called with the ids that entered the engine, before the step that first runs them (a
+    replica tells its parent which rows a crash in that step would take down)."""
 
-    def __init__(self, llm: LLM):
+    def __init__(self, llm: LLM, on_admit: Callable[[list[str]], None] | None = None):
         self.llm = llm
+        self.on_admit = on_admit
         info = llm.info
         self.max_in_flight = info.max_num_seqs
         self.block_size = info.block_size
@@ -122,10 +125,25 @@ class EngineFeeder:
     def idle(self) -> bool:
         return not self.groups and not self.in_flight and not self.suspects
 
+    def withdraw(self, most: int) -> list[list[RowRequest]]:
+        """Give back up to about `most` queued rows: whole prefix groups of which no row entered the engine, the
+        newest first (a replica hands them to an idle one)."""
+        taken: list[PrefixGroup] = []
+        for group in reversed(self.groups):
+            if sum(len(g.requests) for g in taken) >= most:
+                break
+            if group.leader_round is None:
+                taken.append(group)
+        self.groups = [g for g in self.groups if all(g is not t for t in taken)]
+        return [list(group.requests) for group in reversed(taken)]
+
     def step(self) -> list[Finished]:
+        before = len(self.in_flight)
         finished = self._admit_suspects() if self.suspects or self.isolating else self._admit()
         if not self.in_flight:
             return finished
+        if self.on_admit is not None and len(self.in_flight) > before:
+            self.on_admit(list(self.in_flight)[before:])  # dicts keep insertion order: the rows just submitted
         try:
             outputs = self.llm.step()
         except StepFailedError as exc:
@@ -207,6 +225,19 @@ class EngineFeeder:
         return True
 
 
+class RecordList:
+    """A writer keeping the records in memory (a batch or part of rows, written out whole by the caller)."""
+
+    def __init__(self):
+        self.records: list[dict] = []
+
+    def write(self, record: dict) -> None:
+        self.records.append(record)
+
+    def sync_if_due(self) -> None:
+        pass
+
+
 class BatchRunner:
     def __init__(self, engine: Engine, writer: Writer, records: RecordBuilder, stats: RunStats, *, window: int,
                  reorder: bool, skip_ids: set[str], on_step: Callable[[], None],
@@ -221,6 +252,15 @@ class BatchRunner:
         self.on_step = on_step
         self.on_error = on_error  # a row's error message, as its record is written
         self.seen: set[str] = set()
+        self.rows_read = 0  # rows taken from the input (skipped and bad ones included)
+        self.open: dict[str, int] = {}  # rows read and not yet answered -> their max_tokens
+
+    def output_tokens_left(self, per_row: float, default_max_tokens: int) -> float:
+        """The output tokens the unanswered rows will still produce, each at `per_row` (the mean of the rows
+        answered) but never more than its max_tokens; rows not read yet at most `default_max_tokens` each. Less
+        what the rows in the engine already produced is what remains (the caller knows that)."""
+        unread = max(self.stats.rows_total - self.rows_read, 0)
+        return sum(min(per_row, most) for most in self.open.values()) + unread * min(per_row, default_max_tokens)
 
     def run(self, rows: Iterable[RowRequest | RowError]) -> None:
         rows = iter(rows)
@@ -241,6 +281,7 @@ class BatchRunner:
                                       len(request.token_ids), status_code=500)
                 raise EngineStepError(str(failure)) from failure
             for request, result in finished:
+                self.open.pop(request.id, None)
                 if isinstance(result, RowFailure):
                     self._write_error(RowError(request.id, request.where, result.message, request.endpoint,
                                                request.extra),
@@ -254,6 +295,7 @@ class BatchRunner:
         """Up to `window` tokenized rows; skipped and bad rows are dealt with on the way. True: input exhausted."""
         requests: list[RowRequest] = []
         for row in rows:
+            self.rows_read += 1
             if row.id in self.skip_ids:
                 self.stats.rows_skipped += 1
                 continue
@@ -268,6 +310,7 @@ class BatchRunner:
                 self._write_error(row)
                 continue
             requests.append(row)
+            self.open[row.id] = row.params.max_tokens if isinstance(row.params, SamplingParams) else 0  # pooling: 0
             if len(requests) == self.window:
                 return requests, False
         return requests, True

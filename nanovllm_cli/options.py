@@ -211,9 +211,10 @@ def fail(message: str) -> typer.Exit:
 
 
 def model_source(engine: EngineOptions) -> ModelSource | None:
-    """What --model names, from its config before anything loads; None when it cannot be resolved (loading it
-    says why, once the other checks have had their say). A model shape is a usage error unless asked for with
-    --load-format dummy: it has random weights, which must never pass for a model's answers."""
+    """What --model names, from its config before anything loads; None when it cannot be resolved: loading it
+    says why, once the whole-file checks have had their say (with --ray, on the node that loads it: the driver may
+    lack the model). A model shape is a usage error unless asked for with --load-format dummy: it has random
+    weights, which must never pass for a model's answers."""
     from nanovllm import model_source as describe
 
     try:

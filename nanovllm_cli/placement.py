@@ -4,7 +4,9 @@ On GPUs replica i gets the visible GPUs [i*TP, (i+1)*TP) through CUDA_VISIBLE_DE
 starts. More replicas than GPU sets share them round-robin, when the memory fits: the replicas on one GPU ask
 gpu_memory_utilization u each (an engine's share of the device) and together at most 0.95; they start one after
 another (`Placement.wave`), so that each measures its free memory with the caches of those before it allocated.
-On the CPU there are N processes, the cores split between them (OMP_NUM_THREADS, unless set).
+The host's cores are split between the replicas' processes (OMP_NUM_THREADS, unless set), on GPUs too: N each
+running torch's default of one thread per core would contend for the cores in their CPU-side work (loading,
+graph capture) and start slower side by side than alone.
 """
 from __future__ import annotations
 
@@ -33,9 +35,10 @@ class Placement:
 def plan_replicas(size: int, tp: int, on_gpu: bool, visible: list[str], utilization: float | None) -> list[Placement]:
     """Where each of `size` replicas of `tp` GPUs runs (see the module docstring). `visible`: the GPUs this
     process sees, as CUDA_VISIBLE_DEVICES entries."""
-    if not on_gpu:  # the cores split between the replicas (unless the user set the thread count)
-        threads = os.environ.get("OMP_NUM_THREADS") or str(max((os.cpu_count() or 1) // size, 1))
-        return [Placement(None, utilization, 0, (("OMP_NUM_THREADS", threads),))] * size
+    processes = size * tp  # a replica's tensor-parallel workers inherit its environment
+    threads = ("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS") or str(max((os.cpu_count() or 1) // processes, 1)))
+    if not on_gpu:
+        return [Placement(None, utilization, 0, (threads,))] * size
     if tp > len(visible):
         raise PlacementError(f"--tensor-parallel-size {tp} needs {tp} GPUs per replica; {len(visible)} visible")
     sets = len(visible) // tp
@@ -53,7 +56,7 @@ def plan_replicas(size: int, tp: int, on_gpu: bool, visible: list[str], utilizat
         gpu_set, slot = index % sets, index // sets
         devices = tuple(visible[gpu_set * tp:(gpu_set + 1) * tp])
         placements.append(Placement(devices, None if per_set == 1 and utilization is None else u, slot,
-                                    (("CUDA_VISIBLE_DEVICES", ",".join(devices)),)))
+                                    (("CUDA_VISIBLE_DEVICES", ",".join(devices)), threads)))
     return placements
 
 

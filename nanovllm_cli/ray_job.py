@@ -1,24 +1,20 @@
-"""`nanovllm run --ray`: the job on a Ray cluster, with Ray Data: input files -> rows -> one engine per actor
-(`LLMProcessor`) -> a directory of output shards.
+"""`nanovllm run --ray`: the job on a Ray cluster: input files cut into parts (`ray_inputs.py`), engine actors
+answering them (`ray_scheduler.py`, `ray_engine.py`), a folder of shards, each committed with a manifest
+(`shards.py`), so that a rerun with --resume answers only what is missing.
 
-INPUT is a file, a directory (its .jsonl/.ndjson/.parquet files, recursively) or a glob, at any URI fsspec opens
-(s3://, gs://, a local path). The files are cut into parts of --window lines (Parquet: rows), each part a block of
-its own, so that every engine gets work however few the files (Ray hands a whole block to one actor): a first pass
-finds where each part starts (a JSONL file is read through once for it; a Parquet file's footer is enough), then each
-part is read by a Ray task with `nanovllm run`'s reader, so line numbers and bad lines are as in `nanovllm run`.
-OUTPUT is a directory of shards in the format its name ends with (`results.parquet/`, `results.jsonl/`), as Spark
-writes.
+Before Ray is reached, the driver checks OUTPUT: what an earlier run left (with --resume: partial shards cut,
+--retry-failed's and --sync's shards listed) and that it can write it; a cluster address with nothing behind it
+is an error naming it within seconds. OUTPUT is a directory of shards in the format its name ends with
+(`results.parquet/`, `results.jsonl/`), one per part, with their manifests.
 """
 from __future__ import annotations
 
-import glob
-import itertools
-import json
-import math
+import contextlib
+import os
 import posixpath
-import re
+import socket
+import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,40 +22,13 @@ import typer
 
 from nanovllm_cli import options as o
 from nanovllm_cli.options import EngineOptions, ExitCode
-from nanovllm_cli.ray_processor import (
-    LABEL_COLUMN,
-    NUMBER_COLUMN,
-    PROBLEM_COLUMN,
-    ROW_COLUMN,
-    SOURCE_COLUMN,
-    LLMProcessor,
-    records_jsonl_datasink,
-)
-from nanovllm_cli.readers import FORMATS, InvalidJson, detect_format, drop_nulls, iter_rows
+from nanovllm_cli.ray_inputs import InputFile, first_row_is_openai, list_input_files, plan_parts
 from nanovllm_cli.records import RecordLayout
-from nanovllm_cli.rows import is_openai_row
+from nanovllm_cli.shards import OutputState, ShardFolder, part_key, probe_output
 
 OUTPUT_FORMATS = {".jsonl": "jsonl", ".parquet": "parquet"}
-MAX_PARTS = 10_000  # beyond this, neighbouring parts of a file are merged (Ray's overhead per block)
-
-
-@dataclass(frozen=True)
-class InputFile:
-    url: str  # what fsspec opens on any node
-    source: str  # its name in row places and default ids ("" when the input is this one file)
-    format: str  # "jsonl" | "parquet"
-
-
-@dataclass(frozen=True)
-class InputPart:
-    """Lines (JSONL, blank ones included) or rows (Parquet) [first, first + count) of an input file, numbered from 1."""
-
-    url: str
-    source: str
-    format: str
-    first: int
-    count: int
-    offset: int = 0  # JSONL: the byte its first line starts at
+CONNECT_TIMEOUT_S = 10.0  # to reach a cluster's address before Ray is asked to join it
+GCS_PORT, CLIENT_PORT = 6379, 10001  # Ray's defaults: `ray start --head`, and Ray Client (ray://)
 
 
 @dataclass(frozen=True)
@@ -72,157 +41,19 @@ class RayJob:
     seed: int
     include_token_ids: bool
     reorder: bool
-    window: int  # rows per batch handed to an engine
+    window: int  # rows per part (a task for one engine)
     replicas: int
     address: str | None
     overwrite: bool
     quiet: bool
-    pooling: dict  # a pooling job's defaults (PoolingParams fields)
-
-
-def list_input_files(uri: str, input_format: str | None) -> list[InputFile]:
-    """The files INPUT names, sorted; raises ValueError when there are none or one's format is unknown."""
-    import fsspec
-
-    fs, root = fsspec.core.url_to_fs(uri)
-    if glob.has_magic(root):
-        paths, base = sorted(fs.glob(root)), root[:min(root.find(c) for c in "*?[" if c in root)].rpartition("/")[0]
-    elif fs.isdir(root):
-        wanted = set(FORMATS) if input_format is None else {input_format}
-        paths, base = sorted(p for p in fs.find(root) if _format_of(p, None) in wanted
-                             and not posixpath.basename(p).startswith((".", "_"))), root
-    elif fs.isfile(root):
-        paths, base = [root], None
-    else:
-        raise ValueError(f"{uri} is no file, directory or glob that matches a file")
-    if not paths:
-        raise ValueError(f"{uri} holds no .jsonl, .ndjson or .parquet file")
-    files = []
-    for path in paths:
-        fmt = _format_of(path, input_format)
-        if fmt is None:
-            raise ValueError(f"cannot tell the format of {path} from its suffix: use --input-format jsonl|parquet")
-        source = "" if len(paths) == 1 else posixpath.relpath(path, base) if base else path
-        files.append(InputFile(fs.unstrip_protocol(path), source, fmt))
-    return files
-
-
-def _format_of(path: str, override: str | None) -> str | None:
-    try:
-        return detect_format(Path(path), override)
-    except ValueError:
-        return None
-
-
-def file_parts(item: dict, size: int) -> Iterator[dict]:
-    """An InputFile's parts of `size` lines or rows, as InputPart fields (flat_map)."""
-    import fsspec
-    import pyarrow.parquet as pq
-
-    with fsspec.open(item["url"], "rb") as f:
-        if item["format"] == "parquet":
-            rows = pq.ParquetFile(f).metadata.num_rows
-            for first in range(1, rows + 1, size):
-                yield {**item, "first": first, "count": min(size, rows - first + 1), "offset": 0}
-            return
-        first, start = 1, 0  # the current part's first line and the byte it starts at
-        offset = number = 0  # the byte the next line starts at; the lines read
-        for number, line in enumerate(f, 1):
-            if number - first == size:
-                yield {**item, "first": first, "count": size, "offset": start}
-                first, start = number, offset
-            offset += len(line)
-        if number >= first:
-            yield {**item, "first": first, "count": number - first + 1, "offset": start}
-
-
-def plan_parts(files: list[InputFile], size: int) -> list[InputPart]:
-    """The parts of every file (found on the cluster, one task per file), in file order, at most MAX_PARTS."""
-    import ray.data
-
-    cut = (ray.data.from_items([vars(f) for f in files], override_num_blocks=len(files))
-           .flat_map(file_parts, fn_kwargs={"size": size}, num_cpus=0).take_all())
-    order = {f.url: i for i, f in enumerate(files)}
-    return merge_parts(sorted((InputPart(**p) for p in cut), key=lambda p: (order[p.url], p.first)), MAX_PARTS)
-
-
-def merge_parts(parts: list[InputPart], most: int) -> list[InputPart]:
-    """`parts` (in file order) with neighbours of a file merged, as few at a time as leaves at most `most`."""
-    merge = math.ceil(len(parts) / most)
-    if merge <= 1:
-        return parts
-    merged = []
-    for _, of_file in itertools.groupby(parts, key=lambda p: p.url):
-        of_file = list(of_file)
-        for i in range(0, len(of_file), merge):
-            first, *rest = of_file[i:i + merge]
-            merged.append(InputPart(first.url, first.source, first.format, first.first,
-                                    first.count + sum(p.count for p in rest), first.offset))
-    return merged
-
-
-def part_values(f, part: dict) -> Iterator[tuple[int, object]]:
-    """The numbered values of a part of the open file `f` (as `readers.iter_rows` gives a whole file's)."""
-    if part["format"] == "jsonl":
-        f.seek(part["offset"])
-        for number, value in iter_rows(itertools.islice(f, part["count"]), "jsonl"):
-            yield part["first"] - 1 + number, value
-        return
-    import pyarrow.parquet as pq
-
-    parquet = pq.ParquetFile(f)
-    before, groups = 0, []  # rows of the row groups skipped; the row groups to read
-    for group in range(parquet.num_row_groups):
-        rows = parquet.metadata.row_group(group).num_rows
-        if groups or before + rows >= part["first"]:
-            groups.append(group)
-        else:
-            before += rows
-    last = part["first"] + part["count"] - 1
-    number = before
-    for batch in parquet.iter_batches(batch_size=1024, row_groups=groups):
-        for row in batch.to_pylist():
-            number += 1
-            if number > last:
-                return
-            if number >= part["first"]:
-                yield number, drop_nulls(row)
-
-
-def part_rows(part: dict) -> Iterator[dict]:
-    """A part's rows for the processor: JSON text with their file and number (flat_map)."""
-    import fsspec
-
-    label = "row" if part["format"] == "parquet" else "line"
-    with fsspec.open(part["url"], "rb") as f:
-        for number, value in part_values(f, part):
-            invalid = isinstance(value, InvalidJson)
-            yield {ROW_COLUMN: None if invalid else json.dumps(value, default=str),
-                   PROBLEM_COLUMN: value.message if invalid else None, SOURCE_COLUMN: part["source"],
-                   NUMBER_COLUMN: number, LABEL_COLUMN: label}
-
-
-def read_rows(files: list[InputFile], size: int):
-    """The rows of the files as a Ray dataset of `part_rows`, a block per part of `size` lines or rows.
-    Reading takes no CPU of its own: the engines (one CPU each, or their GPUs) may hold every CPU of a small
-    cluster, and a read waiting for one would wait forever."""
-    import ray.data
-
-    parts = plan_parts(files, size)
-    return (ray.data.from_items([vars(p) for p in parts], override_num_blocks=max(len(parts), 1))
-            .flat_map(part_rows, num_cpus=0))
-
-
-def first_row_is_openai(files: list[InputFile]) -> bool:
-    """The record layout, from the first object row (as `nanovllm run` decides it for its file)."""
-    import fsspec
-
-    for file in files:
-        with fsspec.open(file.url, "rb") as f:
-            for _, value in iter_rows(f, file.format):
-                if isinstance(value, dict):
-                    return is_openai_row(value)
-    return False
+    resume: bool = False
+    retry_failed: bool = False
+    sync: bool = False
+    log_interval: float = 10.0
+    metrics_file: Path | None = None
+    metrics_interval: float = 10.0
+    max_restarts: int = 3
+    pooling: dict | None = None  # a pooling job's defaults (PoolingParams fields)
 
 
 def output_format(output: str) -> str:
@@ -232,9 +63,11 @@ def output_format(output: str) -> str:
     return fmt
 
 
-def check_output(output: str, overwrite: bool, input_uri: str) -> None:
-    """OUTPUT is a directory, empty or absent (or to be replaced), and not inside a directory INPUT (a later run
-    would read its shards as input)."""
+
+
+def check_output(output: str, input_uri: str) -> None:
+    """OUTPUT is a directory (or nothing yet), and not inside a directory INPUT (a later run would read its shards
+    as input)."""
     import fsspec
 
     fs, path = fsspec.core.url_to_fs(output)
@@ -245,9 +78,76 @@ def check_output(output: str, overwrite: bool, input_uri: str) -> None:
             in_path.rstrip("/") + "/"):
         raise ValueError(f"OUTPUT {output} lies inside INPUT {input_uri}: its shards would be read as input by a "
                          "later run; write it elsewhere")
-    if fs.isdir(path) and fs.ls(path) and not overwrite:
-        raise ValueError(f"OUTPUT {output} already holds files: add --overwrite to replace them (--resume is not "
-                         "supported with --ray)")
+
+
+@dataclass
+class ResumePlan:
+    kept: list[dict]  # the manifests of earlier runs that stay
+    tasks: list[dict]  # reruns of failed rows (--retry-failed)
+
+
+def plan_resume(job: RayJob, folder: ShardFolder, state: OutputState, files: list[InputFile], layout: RecordLayout,
+                fmt: str) -> ResumePlan:
+    """What an earlier run left in OUTPUT, repaired: shards without a manifest and _tmp cut, replaced and
+    doubled manifests dropped, with --sync the shards of input files changed or gone since; the rows --retry-failed
+    reruns. Raises ValueError saying what to pass when OUTPUT is not this job's to resume."""
+    if not state.empty and not job.resume:
+        raise ValueError(f"OUTPUT {job.output} already holds files: add --resume to answer only the rows it lacks, "
+                         "or --overwrite to replace it")
+    if state.foreign:
+        raise ValueError(f"OUTPUT {job.output} holds files no `nanovllm run --ray` commits (e.g. {state.foreign[0]}): "
+                         "choose another OUTPUT, or --overwrite to replace it")
+    wanted = {"openai": layout.openai, "include_token_ids": layout.include_token_ids}
+    for manifest in state.manifests.values():
+        if manifest["output_format"] != fmt or manifest["layout"] != wanted:
+            raise ValueError(f"OUTPUT {job.output} holds shards of another job ({manifest['shard']}: "
+                             f"{manifest['output_format']}, {manifest['layout']}; this one writes {fmt}, {wanted}): "
+                             "choose another OUTPUT or --overwrite")
+    dropped, cut = state.superfluous()
+    versions = {f.url: f.version for f in files}
+    kept = [m for m in state.manifests.values() if m not in dropped]
+    gone = [m for m in kept if m["part"]["url"] not in versions]
+    changed = [m for m in kept if m["part"]["url"] in versions and m["file"]["version"] != versions[m["part"]["url"]]]
+    if (gone or changed) and not job.sync:
+        parts = [f"{len(ms)} shards answer {what} (e.g. {ms[0]['part']['url']})" for ms, what in (
+            (changed, "input files changed since"), (gone, "files no longer in INPUT")) if ms]
+        raise ValueError(f"OUTPUT {job.output} does not match INPUT: {' and '.join(parts)}. Add --sync to rerun the "
+                         "changed files and drop the shards of removed ones, or choose another OUTPUT")
+    for manifest in [*dropped, *gone, *changed]:
+        folder.remove_manifest(manifest)
+    folder.remove(cut)
+    kept = [m for m in kept if m not in gone and m not in changed]
+    tasks = [{"key": part_key(m["part"]["url"], m["part"]["first"]), "part": m["part"], "file": m["file"],
+              "numbers": [number for _, number in m["failed"]],
+              "replaces": {k: m[k] for k in ("key", "shard", "failed", "prompt_tokens", "cached_tokens",
+                                             "completion_tokens")}}
+             for m in kept if job.retry_failed and m["failed"]]
+    return ResumePlan(kept, tasks)
+
+
+def connect(address: str | None, quiet: bool) -> None:
+    """Join the cluster at `address` (or RAY_ADDRESS; neither: start a local one). An address with nothing behind
+    it fails within CONNECT_TIMEOUT_S naming it, where Ray would retry for minutes."""
+    import ray
+
+    target = address or os.environ.get("RAY_ADDRESS")
+    if target and target not in ("auto", "local"):
+        client = target.startswith("ray://")
+        host, _, port = target.removeprefix("ray://").rpartition(":")
+        if not host or not port.isdigit():
+            host, port = target.removeprefix("ray://"), str(CLIENT_PORT if client else GCS_PORT)
+        try:
+            socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S).close()
+        except OSError as exc:
+            raise o.fail(f"no Ray cluster at {target}: cannot reach {host}:{port} ({exc.strerror or exc}). Start one "
+                         "(`ray start --head`) or pass the address of its head node to --ray-address "
+                         "(RAY_ADDRESS)") from None
+    if ray.is_initialized():
+        return
+    try:
+        ray.init(address=address, include_dashboard=False, log_to_driver=not quiet)
+    except ConnectionError as exc:
+        raise o.fail(f"no Ray cluster at {target or 'auto'}: {exc}") from None
 
 
 def ray_job(input_path: str, output: str | None, input_format: str | None, engine: EngineOptions, sampling: dict,
@@ -266,114 +166,193 @@ def ray_job(input_path: str, output: str | None, input_format: str | None, engin
     except ValueError as exc:
         raise o.fail(f"invalid sampling option: {exc}") from None
     try:
-        import ray.data  # noqa: F401
+        import ray  # noqa: F401
     except ImportError:
-        raise o.fail("--ray needs Ray Data: pip install 'nanovllm[ray]'") from None
+        raise o.fail("--ray needs Ray: pip install 'nanovllm[ray]'") from None
     return run_on_ray(RayJob(input_path, output, input_format, engine, sampling, seed, **settings))
 
 
 def run_on_ray(job: RayJob) -> dict:
     """Run the job; returns its summary, with the exit code of `nanovllm run`'s rules."""
-    from nanovllm import pooling_spec
+    from nanovllm_cli.metrics import check_writable
 
+    started = time.perf_counter()
     try:
         out_format = output_format(job.output)
         files = list_input_files(job.input, job.input_format)
-        check_output(job.output, job.overwrite, job.input)
-        engine_args = job.engine.args()
+        check_output(job.output, job.input)
+        engine_args = job.engine.args(job.seed)
         chat_template = job.engine.chat_template_text()
-        openai = first_row_is_openai(files)
+        source = o.model_source(job.engine)  # None where this machine cannot resolve the model: the nodes say why
+        spec = source.pooling if source is not None else None
+        # The rows' own fields are not carried: a Parquet shard's columns are fixed before its rows are read.
+        layout = RecordLayout(openai=first_row_is_openai(files), include_token_ids=job.include_token_ids,
+                              task=spec.task if spec else None, drop_columns=True)
+        folder = ShardFolder(job.output)
+        if job.overwrite:
+            folder.clear()
+        plan = plan_resume(job, folder, folder.read_state(), files, layout, out_format)
+        probe_output(job.output, "this machine (the driver)")
+        check_writable(job.metrics_file)
     except (ValueError, OSError) as exc:
         raise o.fail(str(exc)) from None
-    try:
-        spec = pooling_spec(job.engine.model, **engine_args)
-    except (ValueError, OSError, ImportError, KeyError):
-        spec = None  # a model this node cannot resolve generates here: the engines' nodes load it and say why
-    import ray
-    import ray.data
+    # Ray prints what it has to say on the driver (a worker that died, ...) to stdout: keep stdout for --json.
+    with contextlib.redirect_stdout(sys.stderr):
+        return run_on_cluster(job, files, engine_args, chat_template, layout, out_format, folder, plan, started)
 
-    started = time.perf_counter()
-    if not ray.is_initialized():
-        ray.init(address=job.address, include_dashboard=False, log_to_driver=not job.quiet)
-    context = ray.data.DataContext.get_current()
-    context.enable_progress_bars = not job.quiet
-    gpus = ray.cluster_resources().get("GPU", 0) > 0 and job.engine.device != "cpu"
+
+def run_on_cluster(job: RayJob, files: list[InputFile], engine_args: dict, chat_template: str | None,
+                   layout: RecordLayout, out_format: str, folder: ShardFolder, plan: ResumePlan, started: float) -> dict:
+    """The job's parts planned on the cluster and answered by the engine actors; then what committed is read
+    back, doubles dropped (an actor of a killed run that committed after this run looked), and summed up."""
+    from rich.console import Console
+
+    from nanovllm_cli.display import notice
+
+    connect(job.address, job.quiet)
+    covered: dict[str, list[tuple[int, int]]] = {}
+    for manifest in plan.kept:
+        covered.setdefault(manifest["part"]["url"], []).append((manifest["part"]["first"], manifest["part"]["count"]))
+    versions = {f.url: f.version for f in files}
+    tasks = plan.tasks + [{"key": part_key(p.url, p.first), "part": vars(p), "file": {"version": versions[p.url]}}
+                          for p in plan_parts(files, job.window, covered)]
+    progress = RayProgress(job, plan, tasks, started, pooling=layout.task is not None)
+    console = Console(stderr=True)
+    code, scheduler = ExitCode.OK, None
+    if tasks:
+        code, scheduler = run_tasks(job, tasks, engine_args, chat_template, layout, out_format, progress,
+                                    on_event=lambda message: notice(console, message), console=console)
+    final = folder.read_state()
+    dropped, cut = final.superfluous()
+    for manifest in dropped:
+        folder.remove_manifest(manifest)
+    folder.remove(cut)
+    folder.tidy()
+    final = [m for m in final.manifests.values() if m not in dropped]
+    return progress.summary(final, files, layout, scheduler, code)
+
+
+def run_tasks(job: RayJob, tasks: list[dict], engine_args: dict, chat_template: str | None, layout: RecordLayout,
+              out_format: str, progress: RayProgress, on_event, console) -> tuple[ExitCode, object]:
+    """The tasks through the engine actors, with the progress display and the metrics file."""
+    import ray
+
+    from nanovllm_cli.display import ProgressDisplay
+    from nanovllm_cli.job import JobFailed
+    from nanovllm_cli.metrics import MetricsLog
+    from nanovllm_cli.ray_engine import ActorSettings, EngineActor
+    from nanovllm_cli.ray_scheduler import RayScheduler
+
     model = job.engine.model
     if model is not None and Path(model).expanduser().exists():
         model = str(Path(model).expanduser().resolve())  # the same path on every node
-    layout = RecordLayout(openai=openai, include_token_ids=job.include_token_ids, task=spec.task if spec else None)
-    records = (read_rows(files, job.window)
-               .map_batches(LLMProcessor, batch_size=job.window, batch_format="pyarrow",
-                            compute=ray.data.ActorPoolStrategy(size=job.replicas),
-                            num_gpus=(job.engine.tensor_parallel_size or 1) if gpus else 0,
-                            fn_constructor_kwargs={"model": model, "engine_args": engine_args, "sampling": job.sampling,
-                                                   "seed": job.seed, "openai": layout.openai,
-                                                   "include_token_ids": layout.include_token_ids,
-                                                   "reorder": job.reorder, "chat_template": chat_template,
-                                                   "pooling": job.pooling}))
-    mode = ray.data.SaveMode.OVERWRITE if job.overwrite else ray.data.SaveMode.APPEND
+    settings = ActorSettings(model, engine_args, job.sampling, job.seed, layout, job.reorder, job.window, job.output,
+                             out_format, job.max_restarts, chat_template, job.pooling or {})
+    gpus = ray.cluster_resources().get("GPU", 0) > 0 and job.engine.device != "cpu"
+    actor_class = ray.remote(EngineActor).options(
+        num_cpus=1, num_gpus=(job.engine.tensor_parallel_size or 1) if gpus else 0, max_concurrency=2,
+        max_restarts=0)
+    display = ProgressDisplay(progress.snapshot, quiet=job.quiet, log_interval=job.log_interval, console=console)
+    metrics = MetricsLog(job.metrics_file, job.metrics_interval, progress.snapshot)
+
+    def on_tick() -> None:
+        display.tick()
+        metrics.tick()
+
+    scheduler = RayScheduler(lambda: actor_class.remote(settings), tasks, job.replicas, job.max_restarts,
+                             ShardFolder(job.output), on_event, on_tick)
+    progress.scheduler = scheduler
+    code = ExitCode.OK
     try:
-        if out_format == "parquet":
-            records.write_parquet(job.output, mode=mode, ray_remote_args={"num_cpus": 0})  # no CPU: see read_rows
-        else:
-            records.write_datasink(records_jsonl_datasink(job.output, layout, mode=mode),
-                                   ray_remote_args={"num_cpus": 0})
-    except Exception as exc:  # noqa: BLE001 (an actor that could not start, an engine failure: Ray wraps them)
-        typer.echo(f"error: the Ray job failed: {_cause(exc)}", err=True)
-        typer.echo(f"the shards written so far are in {job.output}; rerun with --overwrite", err=True)
-        raise typer.Exit(ExitCode.INTERNAL) from None
-    counts = count_records(job.output, out_format, layout)
-    elapsed = time.perf_counter() - started
-    tokens = {name: counts.get(name) for name in ("prompt_tokens", "cached_tokens", "completion_tokens")}
-    return {"input": job.input, "output": job.output, "output_format": "openai" if openai else "plain",
-            "model": job.engine.model or "default", "input_files": len(files), "replicas": job.replicas,
-            "rows_total": counts["rows_total"], "rows_ok": counts["rows_ok"], "rows_failed": counts["rows_failed"],
-            "rows_skipped": 0, **tokens,
-            "prefix_hit_rate": tokens["cached_tokens"] / tokens["prompt_tokens"] if tokens["prompt_tokens"] else None,
-            "elapsed_s": elapsed, "rows_per_s": counts["rows_total"] / elapsed,
-            # OpenAI records hold their token counts inside the response bodies: not summed here
-            "output_tok_s": None if layout.openai or layout.task else tokens["completion_tokens"] / elapsed,
-            "prefill_tok_s": None if layout.openai else tokens["prompt_tokens"] / elapsed,
-            "exit_code": int(ExitCode.ROWS_FAILED if counts["rows_failed"] else ExitCode.OK)}
+        with display, metrics:
+            scheduler.run()
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM (interrupts.py)
+        code = ExitCode.INTERRUPTED
+    except JobFailed as exc:
+        typer.echo(f"error: the Ray job failed: {exc}", err=True)
+        code = ExitCode.INTERNAL
+    if code != ExitCode.OK:
+        typer.echo(f"the shards committed so far are in {job.output}; run again with --resume to finish", err=True)
+    return code, scheduler
 
 
-def _cause(exc: BaseException) -> str:
-    """The root error of a Ray failure (a node lacking the model, a bad engine option, an engine failure) in one
-    line. Ray Data raises the worker's error (for an actor that could not start, an ActorDiedError) whose text
-    ends with the traceback's last line, "module.ErrorType: message"."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    last = lines[-1] if lines else type(exc).__name__
-    return re.sub(r"^(?:\w+\.)+(?=\w+: )", "", last)  # "package.module.ModelNotOnNode: ..." -> "ModelNotOnNode: ..."
+class RayProgress:
+    """The job's figures for the display, the metrics file and the summary: what earlier runs answered, the parts
+    committed by this one, and the parts in the actors' hands."""
 
+    def __init__(self, job: RayJob, plan: ResumePlan, tasks: list[dict], started: float, pooling: bool):
+        self.job = job
+        self.pooling = pooling  # a pooling job generates nothing: its ETA goes by its row rate
+        self.started = started
+        self.scheduler = None
+        rerun = sum(len(t["numbers"]) for t in tasks if "numbers" in t)
+        self.rows_before = sum(m["rows"] for m in plan.kept) - rerun  # answered by earlier runs, and staying
+        self.rows_planned = sum(len(t["numbers"]) if "numbers" in t else t["part"]["count"] for t in tasks)
+        self.failed_before = sum(m["rows_failed"] for m in plan.kept) - rerun
 
-def count_records(output: str, fmt: str, layout: RecordLayout) -> dict:
-    """Rows answered and failed, and the token counts of plain records, read back from OUTPUT's shards (only
-    those columns)."""
-    import fsspec
-    import pyarrow as pa
-    import pyarrow.compute as pc
-    import pyarrow.json as pajson
-    import ray.data
-
-    if layout.openai:  # an OpenAI record's token counts are inside its response body
-        counts, fields = (), [("error", pa.struct([("code", pa.string()), ("message", pa.string())]))]
-    else:  # a pooling job's records count no completion tokens
-        counts = ("prompt_tokens", "cached_tokens") + (() if layout.task else ("completion_tokens",))
-        fields = [("error", pa.string()), *((name, pa.int64()) for name in counts)]
-    totals = dict.fromkeys(("rows_total", "rows_ok", "rows_failed", *counts), 0)
-    fs, path = fsspec.core.url_to_fs(output)
-    if not fs.isdir(path) or not fs.ls(path):  # no rows in, no shard out
+    def this_run(self) -> dict:
+        """Rows and tokens of this run: the committed parts' and the running ones'."""
+        totals = dict.fromkeys(("rows_ok", "rows_failed", "prompt_tokens", "cached_tokens", "completion_tokens"), 0)
+        for result in self.scheduler.results if self.scheduler else ():
+            for name in totals:
+                totals[name] += result["run"][name]
         return totals
-    if fmt == "parquet":
-        shards = ray.data.read_parquet(output, num_cpus=0).select_columns([name for name, _ in fields])
-    else:
-        shards = ray.data.read_json(output, num_cpus=0, parse_options=pajson.ParseOptions(
-            explicit_schema=pa.schema(fields), unexpected_field_behavior="ignore"))
-    for batch in shards.iter_batches(batch_format="pyarrow"):
-        failed = batch.num_rows - batch.column("error").null_count
-        totals["rows_total"] += batch.num_rows
-        totals["rows_failed"] += failed
-        totals["rows_ok"] += batch.num_rows - failed
-        for name in counts:
-            totals[name] += pc.sum(batch.column(name)).as_py() or 0
-    return totals
+
+    def snapshot(self):
+        from nanovllm_cli.display import ReplicaProgress, Snapshot, eta_seconds
+
+        elapsed = time.perf_counter() - self.started
+        run = self.this_run()
+        hand = self.scheduler.in_hand()
+        done = run["rows_ok"] + run["rows_failed"] + hand["rows"]
+        completion = run["completion_tokens"] + hand["completion_tokens"]
+        generated = hand["generated_tokens"]
+        answered = run["rows_ok"] + hand["rows"] - hand["rows_failed"]
+        per_row = completion / answered if answered else None
+        left = None if per_row is None else max(self.rows_planned - done, 0) * min(per_row, self.job.sampling["max_tokens"])
+        eta = eta_seconds(left, generated - completion, generated / elapsed)
+        if self.pooling and done:
+            eta = max(self.rows_planned - done, 0) * elapsed / done
+        replicas = []
+        for s in self.scheduler.slots:
+            part_rows = s.figures.get("part", {}).get("rows", 0) if s.task is not None else 0
+            held = 0 if s.task is None else len(s.task["numbers"]) if "numbers" in s.task else s.task["part"]["count"]
+            replicas.append(ReplicaProgress(s.index, s.info and s.info["pid"], s.state, s.totals["rows"] + part_rows,
+                                            max(held - part_rows, 0), s.generated_tokens(),
+                                            s.generated_tokens() / elapsed, s.restarts))
+        busy = [s.figures for s in self.scheduler.slots if s.figures]
+        return Snapshot(
+            rows_done=self.rows_before + done, rows_total=self.rows_before + self.rows_planned,
+            rows_failed=run["rows_failed"] + hand["rows_failed"], rows_per_s=done / elapsed,
+            output_tok_s=generated / elapsed, prefill_tok_s=hand["prefill_tokens"] / elapsed,
+            kv_cache_usage=sum(f["kv_cache_usage"] for f in busy) / len(busy) if busy else None,
+            prefix_hit_rate=None, elapsed_s=elapsed, eta_s=eta,
+            generated_tokens=generated, completion_tokens=completion, replicas=replicas,
+            retries=self.scheduler.retries())
+
+    def summary(self, manifests: list[dict], files: list[InputFile], layout: RecordLayout, scheduler,
+                code: ExitCode) -> dict:
+        """The job's summary: every row OUTPUT answers (from the manifests), this run's share and figures."""
+        elapsed = time.perf_counter() - self.started
+        run = self.this_run()
+        failed_total = sum(m["rows_failed"] for m in manifests)
+        if code == ExitCode.OK and failed_total:
+            code = ExitCode.ROWS_FAILED
+        replicas = [] if scheduler is None else [
+            {"index": s.index, "node": s.info["node"] if s.info else None, "pid": s.info["pid"] if s.info else None,
+             "state": s.state, "restarts": s.restarts, "start_s": s.info["start_s"] if s.info else None,
+             "parts": s.parts, **s.totals, "output_tok_s": s.totals["completion_tokens"] / elapsed}
+            for s in scheduler.slots]
+        return {"input": self.job.input, "output": self.job.output,
+                "output_format": "openai" if layout.openai else "plain", "model": self.job.engine.model or "default",
+                "input_files": len(files), "ray_replicas": self.job.replicas, "parts": len(manifests),
+                "rows_total": sum(m["rows"] for m in manifests), "rows_ok": run["rows_ok"],
+                "rows_failed": run["rows_failed"], "rows_skipped": self.rows_before,
+                "rows_failed_before": self.failed_before,
+                **{n: run[n] for n in ("prompt_tokens", "cached_tokens", "completion_tokens")},
+                "prefix_hit_rate": run["cached_tokens"] / run["prompt_tokens"] if run["prompt_tokens"] else 0.0,
+                "elapsed_s": elapsed, "rows_per_s": (run["rows_ok"] + run["rows_failed"]) / elapsed,
+                "output_tok_s": None if self.pooling else run["completion_tokens"] / elapsed,
+                "prefill_tok_s": run["prompt_tokens"] / elapsed,
+                "retries": None if scheduler is None else scheduler.retries(), "replicas": replicas,
+                "exit_code": int(code)}

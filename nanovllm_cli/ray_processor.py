@@ -9,13 +9,11 @@ fields, an id), parsed by its `RowParser` and run by its `BatchRunner` (prefix-a
 the batch returned holds `nanovllm run`'s records, in the rows' order, built by its `RecordBuilder`. A bad row
 gets an error record; only an engine failure fails the Ray task. The nested record fields (`logprobs`,
 `prompt_logprobs`, `completions`; an OpenAI record's `response` and `error`) are JSON text, so that every batch
-has one Arrow schema; `RecordsJsonlDatasink` writes them back as nested JSON.
+has one Arrow schema (`record_from_arrow` turns such a row back into `nanovllm run`'s record; `nanovllm run
+--ray` writes its Parquet shards in this schema too).
 
 A row of a dataset may lack an id: it still runs, its record's id is null (Ray keeps a batch's rows in order)
-and, without its own seed, it samples with one derived from its content. Rows read by `nanovllm run --ray`
-(`ray_job.py`) arrive as JSON text in `ROW_COLUMN` with their file and line (`SOURCE_COLUMN`, `NUMBER_COLUMN`,
-`LABEL_COLUMN`), so that a row Arrow could not type, or a line that is not JSON, is still one row with an error
-record, and a row without an id gets its file and line as `nanovllm run` gives it its line.
+and, without its own seed, it samples with one derived from its content.
 """
 from __future__ import annotations
 
@@ -26,18 +24,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from nanovllm_cli.pooling_rows import PoolingRowParser
-from nanovllm_cli.readers import InvalidJson, drop_nulls
-from nanovllm_cli.records import RecordLayout, record_line
+from nanovllm_cli.readers import drop_nulls
+from nanovllm_cli.records import RecordLayout
 from nanovllm_cli.rows import RowError, RowParser, RowRequest, row_fingerprint
 
 if TYPE_CHECKING:
     import pyarrow as pa
 
-ROW_COLUMN = "_nanovllm_row"  # a row as JSON text (or null for a line that is not JSON)
-PROBLEM_COLUMN = "_nanovllm_problem"  # why the line is not a row (not JSON), else null
-SOURCE_COLUMN = "_nanovllm_source"  # the row's file where the input has several, else ""
-NUMBER_COLUMN = "_nanovllm_number"  # its line (JSONL) or row (Parquet) number in that file, from 1
-LABEL_COLUMN = "_nanovllm_label"  # "line" (JSONL) or "row" (Parquet)
 JSON_TEXT_FIELDS = ("logprobs", "prompt_logprobs", "completions")  # plain records' nested fields
 
 
@@ -86,32 +79,6 @@ def record_from_arrow(layout: RecordLayout, row: dict) -> dict:
     return record
 
 
-def records_jsonl_datasink(path: str, layout: RecordLayout, **file_datasink_kwargs):
-    """A Ray Data sink writing each block as a JSONL shard of `nanovllm run`'s records (nested fields as JSON,
-    not JSON text; `Dataset.write_json` would keep them text)."""
-    from ray.data.datasource import BlockBasedFileDatasink
-
-    class RecordsJsonlDatasink(BlockBasedFileDatasink):
-        def write_block_to_file(self, block, file) -> None:
-            lines = (record_line(record_from_arrow(layout, row)) for row in block.to_arrow().to_pylist())
-            file.write("".join(lines).encode("utf-8"))
-
-    return RecordsJsonlDatasink(path, file_format="jsonl", **file_datasink_kwargs)
-
-
-class _RecordList:
-    """The writer `BatchRunner` writes a batch's records to."""
-
-    def __init__(self):
-        self.records: list[dict] = []
-
-    def write(self, record: dict) -> None:
-        self.records.append(record)
-
-    def sync_if_due(self) -> None:
-        pass
-
-
 class LLMProcessor:
     """A callable class for `map_batches`: each actor builds one engine, `LLM(model, **engine_args)`.
 
@@ -130,9 +97,8 @@ class LLMProcessor:
                  chat_template: str | None = None, pooling: dict | None = None):
         from nanovllm import LLM, SamplingParams
 
-        self.defaults = {"max_tokens": 64, "temperature": 0.0, **(sampling or {})}
-        self.explicit = frozenset(sampling or ())
-        SamplingParams(**self.defaults)  # a bad default fails the actor at once, not every row
+        self.defaults = {"max_tokens": 64, **(sampling or {})}  # the row parser adds the temperatures
+        SamplingParams(**{"temperature": 0.0, **self.defaults})  # a bad default fails the actor at once, not every row
         check_model_on_node(model)
         self.llm = LLM(model, **{**(engine_args or {}), "seed": seed})
         if chat_template is not None:
@@ -144,12 +110,12 @@ class LLMProcessor:
         self.pooling = pooling or {}
         self.schema = record_schema(self.layout)
         self.reorder = reorder
-        self.parsers: dict[tuple[str, str], RowParser] = {}
+        self.parsers: dict[str, RowParser] = {}
 
     def __call__(self, batch) -> pa.Table:
         import pyarrow as pa
 
-        from nanovllm_cli.job import BatchRunner, EngineFeeder, RunStats
+        from nanovllm_cli.job import BatchRunner, EngineFeeder, RecordList, RunStats
         from nanovllm_cli.records import RecordBuilder
 
         rows: list[tuple[RowRequest | RowError, str]] = []  # each row parsed, and its fingerprint
@@ -157,7 +123,7 @@ class LLMProcessor:
         for index, row in enumerate(_batch_rows(batch)):
             parsed, fingerprint = self._parse(index, row, anonymous)
             rows.append((parsed, fingerprint))
-        written = _RecordList()
+        written = RecordList()
         builder = RecordBuilder(self.layout, self.llm.info.model, {row.id: fp for row, fp in rows}, self.llm.prompts)
         runner = BatchRunner(EngineFeeder(self.llm), written, builder, RunStats(rows_total=len(rows)),
                              window=max(len(rows), 1), reorder=self.reorder, skip_ids=set(), on_step=lambda: None)
@@ -176,27 +142,22 @@ class LLMProcessor:
     def _parse(self, index: int, row: dict, anonymous: set[str]) -> tuple[RowRequest | RowError, str]:
         """A dataset row -> the parsed row and its fingerprint. A row without an id gets one here, from its
         content (so its derived seed does not depend on batching), added to `anonymous`."""
-        if ROW_COLUMN in row:  # read by `nanovllm run --ray`: its file and line
-            value = InvalidJson(row[PROBLEM_COLUMN]) if row[ROW_COLUMN] is None else json.loads(row[ROW_COLUMN])
-            parser = self._parser(row[SOURCE_COLUMN], row[LABEL_COLUMN])
-            return parser.parse(row[NUMBER_COLUMN], value), row_fingerprint(value)
         value = drop_nulls(row)
         fingerprint = row_fingerprint(value)
         key = self.layout.id_key
         if value.get(key) is not None:  # its place in error messages: "row with id 'a'"
-            return self._parser("", "row with id").parse(repr(value[key]), value), fingerprint
+            return self._parser("row with id").parse(repr(value[key]), value), fingerprint
         row_id = fingerprint
         while row_id in anonymous:  # the same row twice in a batch
             row_id += "+"
         anonymous.add(row_id)
-        return self._parser("", "batch row").parse(index + 1, {**value, key: row_id}), fingerprint
+        return self._parser("batch row").parse(index + 1, {**value, key: row_id}), fingerprint
 
-    def _parser(self, source: str, label: str) -> RowParser:
-        if (source, label) not in self.parsers:
-            self.parsers[source, label] = RowParser(self.defaults, self.seed, label, source or None, explicit=self.explicit) \
-                if self.layout.task is None else PoolingRowParser(self.seed, label, self.layout.task, self.pooling,
-                                                                  source or None)
-        return self.parsers[source, label]
+    def _parser(self, label: str) -> RowParser:
+        if label not in self.parsers:
+            self.parsers[label] = RowParser(self.defaults, self.seed, label) if self.layout.task is None \
+                else PoolingRowParser(self.seed, label, self.layout.task, self.pooling)
+        return self.parsers[label]
 
     def __del__(self):
         llm = getattr(self, "llm", None)

@@ -4,19 +4,28 @@ The parent reads, checks and tokenizes the rows and writes every record (`job.Ba
 engine); a `ReplicaPool` stands in for the engine. Each replica runs the same `job.EngineFeeder` a single
 engine runs, fed through a pipe:
 
-- placement (`placement.plan_replicas`): the devices, memory share and environment each replica is born with;
-  replicas sharing GPUs start one after another.
+- placement (`placement.plan_replicas`): the devices, memory share and environment each replica is born with.
+- start: every replica starts at once (replicas sharing GPUs wave by wave), while the parent loads its
+  tokenizer. The job starts as soon as one replica is ready; each other one takes rows when it is ready, so a
+  slow start idles no one.
 - dispatch: a prefix group (rows sharing their first KV block, `admission.admission_groups`) goes whole to one
   replica, so its prefix cache serves the followers; a group larger than a replica's max_num_seqs is cut into
   chunks of that size (contiguous in token order, so longer shared prefixes stay together). Each group goes to
   the replica with the fewest outstanding tokens (prompt + max_tokens of its rows not yet answered) among those
-  with room (fewer than 2 x max_num_seqs rows outstanding), which bounds memory and keeps every engine fed.
-- failures: a replica isolates the row that fails a step as one engine does (job.EngineFeeder); a replica
-  whose engine cannot run any more reports the rows in it and those waiting to be rerun (error records); a
-  replica that dies (killed, crashed, out of memory) ends the job with `ReplicaFailed` naming it (index, pid,
-  devices) and its error. Either way the other replicas are stopped and what is written stays (`--resume`).
-  A replica reads EOF when the parent goes away and exits after its step; replicas ignore SIGINT (the parent
-  stops them).
+  with room (fewer than 2 x max_num_seqs rows outstanding), which bounds memory and keeps every engine fed; a
+  prefix seen before goes back to the replica that has it cached while that one is at most one group's tokens
+  busier than the least busy. With nothing left to dispatch and an engine with room (a replica that just started,
+  or the job's tail), the replica with the most rows queued gives half of them back (whole prefix groups none of
+  whose rows entered its engine), to be dispatched again.
+- failures: a replica isolates the row that fails a step as one engine does (job.EngineFeeder). A replica that
+  dies (killed, crashed, out of memory, or an engine that cannot run any more) does not end the job. It tells
+  the parent which rows enter its engine before the step that first runs them; when it dies, its rows not yet in
+  its engine go back to the queue, and each row that was in its engine becomes a *suspect*: suspects rerun on
+  replicas that hold no other suspect, beside ordinary rows, so a second death names the row that caused it. A
+  row in the engine of two replicas that died gets an error record (a poison row kills two replicas, not every
+  one). The dead replica is restarted, at most `max_restarts` times; the job ends (`ReplicaFailed`) only when
+  no replica is left. A replica reads EOF when the parent goes away and exits after its step; replicas ignore
+  SIGINT (the parent stops them).
 """
 from __future__ import annotations
 
@@ -27,8 +36,8 @@ import signal
 import threading
 import time
 import traceback
-from collections import deque
-from collections.abc import Callable, Iterator
+from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
@@ -44,10 +53,13 @@ from nanovllm_cli.rows import RowRequest
 REPORT_INTERVAL_S = 0.5  # how often a replica sends its engine report (progress figures)
 WAIT_S = 0.25  # longest wait for replicas' messages in one `step()` (the display ticks between)
 STOP_TIMEOUT_S = 30.0  # for replicas to leave after a stop message
+DEFAULT_RESTARTS = 3  # restarts of each replica after it died
+STRIKES = 2  # deaths with a row in the engine that give the row an error record
+AFFINITY_ENTRIES = 4096  # prefixes whose replica is remembered
 
 
 class ReplicaFailed(JobFailed):
-    """A replica died or failed: the job ends (exit 3)."""
+    """No replica is left (each died more often than it may be restarted), or none could start: the job ends."""
 
 
 # ---- the replica process ------------------------------------------------------------------------------------------
@@ -67,8 +79,9 @@ def _read_inbox(conn: Connection, inbox: queue.Queue) -> None:
 
 def replica_main(model: str | None, engine_args: dict, conn_in: Connection, conn_out: Connection) -> None:
     """A replica: load the engine, report its info, then feed it the groups the parent sends, sending back the
-    finished rows and, every REPORT_INTERVAL_S, the engine's report; a function the parent sends is called with
-    the engine and its result sent back. Ends on a stop message (sending a last report) or on EOF."""
+    ids that enter the engine (before the step that first runs them), the finished rows and, every
+    REPORT_INTERVAL_S, the engine's report; a function the parent sends is called with the engine and its
+    result sent back. Ends on a stop message (sending a last report) or on EOF."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent handles it
     from nanovllm import LLM
 
@@ -80,7 +93,7 @@ def replica_main(model: str | None, engine_args: dict, conn_in: Connection, conn
     inbox: queue.Queue = queue.Queue()
     threading.Thread(target=_read_inbox, args=(conn_in, inbox), daemon=True).start()
     with llm:
-        feeder = EngineFeeder(llm)
+        feeder = EngineFeeder(llm, on_admit=lambda ids: conn_out.send(("admitted", ids)))
         conn_out.send(("ready", llm.info, llm.report()))
         reported = time.monotonic()
         try:
@@ -92,6 +105,8 @@ def replica_main(model: str | None, engine_args: dict, conn_in: Connection, conn
                         return
                     if message[0] == "groups":
                         feeder.add([PrefixGroup(deque(group)) for group in message[1]])
+                    elif message[0] == "withdraw":
+                        conn_out.send(("withdrawn", [[r.id for r in g] for g in feeder.withdraw(message[1])]))
                     elif message[0] == "call":
                         conn_out.send(("result", message[1](llm, *message[2])))
                     message = _get_nowait(inbox)
@@ -109,7 +124,7 @@ def replica_main(model: str | None, engine_args: dict, conn_in: Connection, conn
                     conn_out.send(("finished", [(r.id, result) for r, result in finished], report))
         except (BrokenPipeError, EOFError):
             return  # the parent is gone
-        except Exception:  # noqa: BLE001 (reported as this replica's error; the parent ends the job)
+        except Exception:  # noqa: BLE001 (reported as this replica's error; the parent restarts it)
             with contextlib.suppress(OSError):
                 conn_out.send(("error", traceback.format_exc()))
 
@@ -127,30 +142,45 @@ def _get_nowait(inbox: queue.Queue) -> tuple | None:
 class Replica:
     index: int
     placement: Placement
-    process: BaseProcess
-    send_end: Connection  # parent -> replica
-    recv_end: Connection  # replica -> parent
+    process: BaseProcess | None = None
+    send_end: Connection | None = None  # parent -> replica
+    recv_end: Connection | None = None  # replica -> parent
+    state: str = "starting"  # starting | ready | retired (died with no restart left)
+    spawned: float = 0.0  # monotonic clock of this incarnation's start
+    start_s: float | None = None  # how long its first start took
     info: EngineInfo | None = None
     report: dict | None = None  # the engine's latest report (`LLM.report()`)
+    past_reports: list[dict] = field(default_factory=list)  # the last reports of its earlier incarnations
     outstanding: dict[str, int] = field(default_factory=dict)  # request id -> its tokens (prompt + max_tokens)
     outstanding_tokens: int = 0
+    in_engine: set[str] = field(default_factory=set)  # outstanding ids the replica reported in its engine
+    suspect: str | None = None  # the one suspect row it may hold
+    withdrawing: bool = False  # asked to give back queued rows, no answer yet
+    restarts: int = 0
     rows: int = 0  # rows answered (or refused) by it
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
 
-    def describe(self) -> str:
+    def describe(self, process: BaseProcess | None = None) -> str:
         devices = self.placement.devices
         where = f"GPU{'s' if len(devices) > 1 else ''} {','.join(devices)}" if devices else "CPU"
-        return f"replica {self.index} (pid {self.process.pid}, {where})"
+        return f"replica {self.index} (pid {(process or self.process).pid}, {where})"
+
+    def generated_tokens(self) -> int:
+        """Tokens its engines generated, every incarnation's."""
+        return sum(r["tokens"]["generated"] for r in [*self.past_reports, self.report] if r is not None)
 
     def figures(self) -> dict:
         """This replica's share of the job, for the summary and bench's --json."""
-        return {"index": self.index, "pid": self.process.pid,
+        report = self.report or (self.past_reports[-1] if self.past_reports else None)
+        return {"index": self.index, "pid": self.process.pid, "state": self.state, "restarts": self.restarts,
                 "devices": list(self.placement.devices) if self.placement.devices else None,
-                "rows": self.rows, "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
-                "completion_tokens": self.completion_tokens, "generated_tokens": self.report["tokens"]["generated"],
-                "engine": self.report["steps"], "kv_cache": self.report["kv_cache"]}
+                "start_s": self.start_s, "rows": self.rows, "outstanding": len(self.outstanding),
+                "prompt_tokens": self.prompt_tokens,
+                "cached_tokens": self.cached_tokens, "completion_tokens": self.completion_tokens,
+                "generated_tokens": self.generated_tokens(), "engine": report and report["steps"],
+                "kv_cache": report and report["kv_cache"]}
 
 
 def request_tokens(request: RowRequest) -> int:
@@ -160,59 +190,110 @@ def request_tokens(request: RowRequest) -> int:
     return len(request.token_ids) + request.params.max_tokens * max(request.params.n, request.params.best_of or 1)
 
 
-class ReplicaPool:
-    """N replicas behind the `job.Engine` interface; use as a context manager (it stops the replicas)."""
+def _why_dead(process: BaseProcess) -> str:
+    process.join(1.0)
+    code = process.exitcode
+    if code is not None and code < 0:
+        return f"killed by {signal.Signals(-code).name}" + (" (out of memory?)" if -code == signal.SIGKILL else "")
+    return f"exited with code {code}"
 
-    def __init__(self, model: str | None, engine_args: dict, prompts: PromptTokenizer, placements: list[Placement]):
-        self.prompts = prompts
-        self.replicas: list[Replica] = []
+
+class ReplicaPool:
+    """N replicas behind the `job.Engine` interface; use as a context manager (it stops the replicas).
+
+    The replicas start when it is made; set `prompts` (the parent's tokenizer) and call `wait_first_ready`
+    before using it (`load_replicas` does). `on_event(message)`: a replica died, was restarted or retired."""
+
+    def __init__(self, model: str | None, engine_args: dict, placements: list[Placement], *,
+                 max_restarts: int = DEFAULT_RESTARTS, on_event: Callable[[str], None] = lambda message: None):
+        self.model = model
+        self.engine_args = engine_args
+        self.max_restarts = max_restarts
+        self.on_event = on_event
+        self.prompts: PromptTokenizer | None = None
+        self.ctx = mp.get_context("spawn")
+        self.replicas = [Replica(index, p) for index, p in enumerate(placements)]
         self.pending: deque[list[RowRequest]] = deque()  # groups not yet sent to a replica
+        self.suspects: deque[RowRequest] = deque()  # rows that were in the engine of a replica that died
+        self.strikes: dict[str, list[str]] = {}  # row id -> the deaths it was in an engine for
+        self.convicted: list[Finished] = []  # rows with STRIKES deaths, to be answered with error records
         self.requests: dict[str, tuple[RowRequest, Replica]] = {}
-        self.failure: EngineFailure | ReplicaFailed | None = None  # to raise once the rows finished with it are out
-        ctx = mp.get_context("spawn")
+        self.affinity: OrderedDict[tuple[int, ...], int] = OrderedDict()  # a prefix's first block -> replica index
+        self.failure: ReplicaFailed | None = None  # to raise once the rows finished with it are out
+        self.deaths = 0
+        self.rows_rerun = 0  # rows of dead replicas sent again
+        self.rows_given_up = 0  # rows in the engine at STRIKES deaths: error records
+        self.events: list[str] = []
+        self.info: EngineInfo | None = None
+        self.block_size = self.chunk = self.room = 0
+        self.wave = 0
         try:
-            for wave in range(max(p.wave for p in placements) + 1):
-                started = [self._start(ctx, index, p, model, engine_args)
-                           for index, p in enumerate(placements) if p.wave == wave]
-                self._wait_ready(started)
+            self._start_wave()
         except BaseException:
             self.close()
             raise
-        info = self.replicas[0].info
-        self.info = info
-        self.block_size = info.block_size
-        self.chunk = info.max_num_seqs
-        self.room = 2 * info.max_num_seqs
 
-    def _start(self, ctx, index: int, placement: Placement, model: str | None, engine_args: dict) -> Replica:
-        args = dict(engine_args)
-        if placement.gpu_memory_utilization is not None:
-            args["gpu_memory_utilization"] = placement.gpu_memory_utilization
-        to_child, from_parent = ctx.Pipe(duplex=False)
-        to_parent, from_child = ctx.Pipe(duplex=False)
-        process = ctx.Process(target=replica_main, args=(model, args, to_child, from_child),
-                              name=f"nanovllm-replica-{index}")
-        with born_with(placement):
+    # ---- start ------------------------------------------------------------------------------------------------
+
+    def _start_wave(self) -> None:
+        """Start the replicas of the current wave (those sharing GPUs with earlier ones wait for them)."""
+        for replica in self.replicas:
+            if replica.placement.wave == self.wave:
+                self._spawn(replica)
+
+    def _spawn(self, replica: Replica) -> None:
+        args = dict(self.engine_args)
+        if replica.placement.gpu_memory_utilization is not None:
+            args["gpu_memory_utilization"] = replica.placement.gpu_memory_utilization
+        to_child, from_parent = self.ctx.Pipe(duplex=False)
+        to_parent, from_child = self.ctx.Pipe(duplex=False)
+        process = self.ctx.Process(target=replica_main, args=(self.model, args, to_child, from_child),
+                                   name=f"nanovllm-replica-{replica.index}")
+        with born_with(replica.placement):
             process.start()
         to_child.close()
         from_child.close()
-        replica = Replica(index, placement, process, from_parent, to_parent)
-        self.replicas.append(replica)
-        return replica
+        replica.process, replica.send_end, replica.recv_end = process, from_parent, to_parent
+        replica.state, replica.spawned, replica.report = "starting", time.monotonic(), None
 
-    def _wait_ready(self, replicas: list[Replica]) -> None:
-        waiting = list(replicas)
-        while waiting:
-            for replica, message in self._messages(waiting, None):
-                if message[0] != "ready":
-                    raise ReplicaFailed(f"{replica.describe()} sent {message[0]!r} while starting")
-                replica.info, replica.report = message[1], message[2]
-                waiting.remove(replica)
+    def wait_first_ready(self) -> None:
+        """Wait until one replica is ready (the job starts with it). A replica that fails before any is ready
+        raises ReplicaFailed: the model or an option is wrong, and every replica would fail alike."""
+        while self.info is None:
+            for replica, process, message in self._receive(self._live(), None):
+                if message[0] == "ready":
+                    self._joined(replica, message)
+                else:
+                    raise ReplicaFailed(f"{replica.describe(process)} {self._death_cause(process, message)}")
+
+    def _joined(self, replica: Replica, message: tuple) -> None:
+        replica.info, replica.report = message[1], message[2]
+        replica.state = "ready"
+        if replica.start_s is None:
+            replica.start_s = time.monotonic() - replica.spawned
+        if self.info is None:
+            self.info = replica.info
+            self.block_size = replica.info.block_size
+            self.chunk = replica.info.max_num_seqs
+            self.room = 2 * replica.info.max_num_seqs
+        waiting = [r for r in self.replicas if r.placement.wave == self.wave and r.state == "starting"]
+        if not waiting and any(r.placement.wave > self.wave for r in self.replicas):
+            self.wave += 1
+            self._start_wave()
+
+    def _wait_all_ready(self) -> None:
+        while any(r.state == "starting" for r in self.replicas):
+            self._handle(self._receive(self._live(), None))
+            if self.failure is not None:
+                raise self.failure
 
     # ---- the Engine interface -------------------------------------------------------------------------------------
 
     def wants_rows(self) -> bool:
-        return self.failure is None and not self.pending and any(len(r.outstanding) < self.room for r in self.replicas)
+        if self.failure is not None or self.pending or self.suspects:
+            return False
+        ready = [r for r in self.replicas if r.state == "ready"]
+        return not ready or any(len(r.outstanding) < self.room for r in ready)
 
     def add(self, groups: list[PrefixGroup]) -> None:
         for group in groups:
@@ -221,55 +302,234 @@ class ReplicaPool:
         self._dispatch()
 
     def idle(self) -> bool:
-        return self.failure is None and not self.pending and not self.requests
+        return (self.failure is None and not self.pending and not self.suspects and not self.requests
+                and not self.convicted)
 
     def step(self) -> list[Finished]:
-        """Dispatch what fits, then the rows finished by any replica (waiting up to WAIT_S for one). A failure
-        met after other replicas' rows finished is raised by the next call, once those rows are written."""
+        """Dispatch what fits, then the rows finished by any replica (waiting up to WAIT_S for one), and the rows
+        given up on after a second death. A failure met after other replicas' rows finished is raised by the
+        next call, once those rows are written."""
         if self.failure is not None:
             raise self.failure
         self._dispatch()
-        finished: list[Finished] = []
-        try:
-            for replica, message in self._messages(self.replicas, WAIT_S):
-                kind = message[0]
-                if kind == "finished":
-                    finished += [self._finish(replica, rid, result) for rid, result in message[1]]
-                    replica.report = message[2] or replica.report
-                elif kind == "failed":
-                    _, error, problem, ids = message
-                    failed = [self._finish(replica, rid, RowFailure(problem, 500))[0] for rid in ids]
-                    raise EngineFailure(f"{replica.describe()}: {error}", problem, failed)
-                else:
-                    raise ReplicaFailed(f"{replica.describe()} sent {kind!r} mid-job")
-        except (EngineFailure, ReplicaFailed) as failure:
-            if not finished:
-                raise
-            self.failure = failure
+        finished = self._handle(self._receive(self._live(), WAIT_S))
+        self._dispatch()
+        self._rebalance()
+        finished += self.convicted
+        self.convicted = []
+        if self.failure is not None and not finished:
+            raise self.failure
         return finished
 
-    # ---- helpers --------------------------------------------------------------------------------------------------
+    # ---- messages -------------------------------------------------------------------------------------------------
+
+    def _live(self) -> list[Replica]:
+        return [r for r in self.replicas if r.state in ("starting", "ready")]
+
+    def _receive(self, replicas: list[Replica], timeout: float | None) -> list[tuple[Replica, BaseProcess, tuple]]:
+        """The messages waiting from `replicas` (waiting up to `timeout` for the first), each with the process that
+        sent it; a replica whose process ended or whose pipe broke gives ("dead",) after its last messages."""
+        by_conn = {r.recv_end: r for r in replicas}
+        by_sentinel = {r.process.sentinel: r for r in replicas}
+        ready = wait([*by_conn, *by_sentinel], timeout)
+        received = []
+        for handle in ready:
+            replica = by_conn.get(handle)
+            if replica is None:
+                continue
+            while True:
+                try:
+                    if not replica.recv_end.poll():
+                        break
+                    received.append((replica, replica.process, replica.recv_end.recv()))
+                except (EOFError, OSError):
+                    received.append((replica, replica.process, ("dead",)))
+                    break
+        received += [(by_sentinel[h], by_sentinel[h].process, ("dead",)) for h in ready if h in by_sentinel]
+        return received
+
+    def _handle(self, received: list[tuple[Replica, BaseProcess, tuple]]) -> list[Finished]:
+        finished: list[Finished] = []
+        for replica, process, message in received:
+            if replica.process is not process or replica.state == "retired":
+                continue  # from an incarnation already handled as dead
+            kind = message[0]
+            if kind == "finished":
+                finished += [self._finish(replica, rid, result) for rid, result in message[1]]
+                replica.report = message[2] or replica.report
+            elif kind == "admitted":
+                replica.in_engine.update(rid for rid in message[1] if rid in replica.outstanding)
+            elif kind == "withdrawn":
+                self._given_back(replica, message[1])
+            elif kind == "ready":
+                self._joined(replica, message)
+            elif kind == "failed":  # its engine cannot run any more: the rows of the failed step are the suspects
+                _, error, _, ids = message
+                self._lost(replica, f"its engine failed: {error}", set(ids))
+            else:
+                self._lost(replica, self._death_cause(process, message))
+        return finished
+
+    @staticmethod
+    def _death_cause(process: BaseProcess, message: tuple) -> str:
+        if message[0] == "error":
+            return f"failed: {message[1].strip()}"
+        if message[0] == "dead":
+            return f"died: {_why_dead(process)}"
+        return f"sent {message[0]!r} unasked"
+
+    # ---- failures -------------------------------------------------------------------------------------------------
+
+    def _lost(self, replica: Replica, cause: str, in_engine: set[str] | None = None) -> None:
+        """A replica died: its rows go back (those in its engine as suspects, or given up after a second death),
+        then it is restarted or retired; no replica left sets `failure`."""
+        process = replica.process
+        self._reap(replica)
+        what = f"{replica.describe(process)} {cause}"
+        in_engine = replica.in_engine if in_engine is None else in_engine
+        self.deaths += 1
+        queued, suspects, given_up = [], 0, 0
+        for rid in list(replica.outstanding):
+            request, _ = self.requests.pop(rid)
+            if rid not in in_engine:
+                (self.suspects if rid in self.strikes else queued).append(request)
+                continue
+            strikes = self.strikes.setdefault(rid, [])
+            strikes.append(what)
+            if len(strikes) >= STRIKES:
+                given_up += 1
+                del self.strikes[rid]
+                self.convicted.append((request, RowFailure(
+                    f"{len(strikes)} replicas died with this row in their engine ({'; '.join(strikes)}): the row may "
+                    "crash the engine (--retry-failed reruns it)", 500)))
+            else:
+                suspects += 1
+                self.suspects.append(request)
+        self.rows_rerun += len(queued) + suspects
+        self.rows_given_up += given_up
+        self.pending.extendleft(reversed([queued[i:i + self.chunk] for i in range(0, len(queued), self.chunk)]))
+        replica.outstanding.clear()
+        replica.outstanding_tokens = 0
+        replica.in_engine = set()
+        replica.suspect = None
+        replica.withdrawing = False
+        if replica.report is not None:
+            replica.past_reports.append(replica.report)
+        if replica.restarts < self.max_restarts:
+            replica.restarts += 1
+            self._spawn(replica)
+            action = f"restarting it ({replica.restarts} of {self.max_restarts} restarts)"
+        else:
+            replica.state = "retired"
+            action = f"it is not restarted (it died {replica.restarts + 1} times)"
+        rows = (f"rows run again: {suspects} from its engine (one per replica), {len(queued)} queued"
+                + (f"; {given_up} rows in the engine at an earlier death too get error records" if given_up else ""))
+        self._event(f"{what}; {rows}; {action}")
+        if not self._live():
+            self.failure = ReplicaFailed(f"every replica died; the last: {what}" + (
+                f"; {len(self.requests) + sum(map(len, self.pending)) + len(self.suspects)} rows have no records yet"))
+
+    def _reap(self, replica: Replica) -> None:
+        process = replica.process
+        if process.is_alive():
+            process.kill()
+        process.join()
+        for end in (replica.send_end, replica.recv_end):
+            with contextlib.suppress(OSError):
+                end.close()
+
+    def _event(self, message: str) -> None:
+        self.events.append(message)
+        self.on_event(message)
+
+    # ---- dispatch -------------------------------------------------------------------------------------------------
 
     def _dispatch(self) -> None:
+        ready = [r for r in self.replicas if r.state == "ready"]
+        while self.suspects:
+            free = [r for r in ready if r.suspect is None and len(r.outstanding) < self.room]
+            if not free:
+                break
+            replica = min(free, key=lambda r: r.outstanding_tokens)
+            request = self.suspects.popleft()
+            replica.suspect = request.id
+            self._send(replica, [request])
         while self.pending:
-            open_ = [r for r in self.replicas if len(r.outstanding) < self.room]
+            open_ = [r for r in ready if len(r.outstanding) < self.room]
             if not open_:
                 return
-            replica = min(open_, key=lambda r: r.outstanding_tokens)
             group = self.pending.popleft()
-            for request in group:
-                tokens = request_tokens(request)
-                replica.outstanding[request.id] = tokens
-                replica.outstanding_tokens += tokens
-                self.requests[request.id] = (request, replica)
-            try:
-                replica.send_end.send(("groups", [group]))
-            except OSError:
-                self._raise_dead(replica)
+            self._send(self._choose(open_, group), group)
+
+    def _choose(self, open_: list[Replica], group: list[RowRequest]) -> Replica:
+        """The least busy replica, or the one that last ran this prefix if it is at most this group's tokens
+        busier (its prefix cache likely still holds it)."""
+        least = min(open_, key=lambda r: r.outstanding_tokens)
+        first = group[0].token_ids
+        if len(first) < self.block_size:
+            return least
+        key = tuple(first[:self.block_size])
+        index = self.affinity.get(key)
+        cached = next((r for r in open_ if r.index == index), None)
+        choice = least
+        if cached is not None and cached.outstanding_tokens <= least.outstanding_tokens + sum(map(request_tokens, group)):
+            choice = cached
+        self.affinity[key] = choice.index
+        self.affinity.move_to_end(key)
+        if len(self.affinity) > AFFINITY_ENTRIES:
+            self.affinity.popitem(last=False)
+        return choice
+
+    def _rebalance(self) -> None:
+        """With nothing left to dispatch and a replica whose engine has room (one that just started, or the job's
+        tail), ask the replica with the most rows queued (sent, not in its engine) to give half of them back."""
+        if self.pending or self.suspects:
+            return
+        ready = [r for r in self.replicas if r.state == "ready"]
+        if not any(len(r.outstanding) < self.chunk for r in ready) or any(r.withdrawing for r in ready):
+            return
+        donors = [r for r in ready if len(r.outstanding) >= self.chunk and len(r.outstanding) - len(r.in_engine) >= 2]
+        if donors:
+            donor = max(donors, key=lambda r: len(r.outstanding) - len(r.in_engine))
+            donor.withdrawing = True
+            with contextlib.suppress(OSError):  # a dead replica: its sentinel tells
+                donor.send_end.send(("withdraw", (len(donor.outstanding) - len(donor.in_engine)) // 2))
+
+    def _given_back(self, replica: Replica, groups: list[list[str]]) -> None:
+        """Rows a replica gave back (none entered its engine): queued again, first in line."""
+        replica.withdrawing = False
+        back: list[list[RowRequest]] = []
+        for ids in groups:
+            group = []
+            for rid in ids:
+                request, _ = self.requests.pop(rid)
+                replica.outstanding_tokens -= replica.outstanding.pop(rid)
+                if replica.suspect == rid:
+                    replica.suspect = None
+                if rid in self.strikes:
+                    self.suspects.appendleft(request)
+                else:
+                    group.append(request)
+            if group:
+                back.append(group)
+        self.pending.extendleft(reversed(back))
+
+    def _send(self, replica: Replica, group: list[RowRequest]) -> None:
+        for request in group:
+            tokens = request_tokens(request)
+            replica.outstanding[request.id] = tokens
+            replica.outstanding_tokens += tokens
+            self.requests[request.id] = (request, replica)
+        with contextlib.suppress(OSError):  # a dead replica: its sentinel tells, and these rows go back then
+            replica.send_end.send(("groups", [group]))
 
     def _finish(self, replica: Replica, request_id: str, result) -> Finished:
         request, _ = self.requests.pop(request_id)
         replica.outstanding_tokens -= replica.outstanding.pop(request_id)
+        replica.in_engine.discard(request_id)
+        if replica.suspect == request_id:
+            replica.suspect = None
+        self.strikes.pop(request_id, None)
         replica.rows += 1
         if not isinstance(result, RowFailure) and not result.error:
             replica.prompt_tokens += result.num_prompt_tokens
@@ -277,65 +537,48 @@ class ReplicaPool:
             replica.completion_tokens += len(result.token_ids)
         return request, result
 
-    def _messages(self, replicas: list[Replica], timeout: float | None) -> Iterator[tuple[Replica, tuple]]:
-        """The messages waiting from `replicas` (waiting up to `timeout` for the first); a replica that died
-        raises ReplicaFailed (after its last messages: its own error, when it sent one)."""
-        by_conn = {r.recv_end: r for r in replicas}
-        by_sentinel = {r.process.sentinel: r for r in replicas}
-        ready = wait([*by_conn, *by_sentinel], timeout)
-        for handle in ready:
-            replica = by_conn.get(handle)
-            if replica is None:
-                continue
-            while replica.recv_end.poll():
-                try:
-                    message = replica.recv_end.recv()
-                except (EOFError, OSError):
-                    break
-                if message[0] == "error":
-                    raise ReplicaFailed(f"{replica.describe()} failed: {message[1].strip()}")
-                yield replica, message
-        for handle in ready:
-            replica = by_sentinel.get(handle)
-            if replica is not None:
-                self._raise_dead(replica)
-
-    def _raise_dead(self, replica: Replica) -> None:
-        replica.process.join(1.0)
-        code = replica.process.exitcode
-        if code is not None and code < 0:
-            why = f"killed by {signal.Signals(-code).name}" + (
-                " (out of memory?)" if -code == signal.SIGKILL else "")
-        else:
-            why = f"exited with code {code}"
-        lost = len(replica.outstanding)
-        raise ReplicaFailed(f"{replica.describe()} died: {why}" + (
-            f"; its {lost} unanswered rows have no records yet" if lost else ""))
+    # ---- figures, calls, stop -------------------------------------------------------------------------------------
 
     def call(self, fn: Callable, *args) -> list:
-        """`fn(llm, *args)` in every replica (a module-level function); their results, by replica."""
-        for replica in self.replicas:
+        """`fn(llm, *args)` in every replica once all are ready (a module-level function); their results, by
+        replica. A replica that dies meanwhile raises ReplicaFailed."""
+        self._wait_all_ready()
+        live = self._live()
+        for replica in live:
             replica.send_end.send(("call", fn, args))
         results: dict[int, object] = {}
-        while len(results) < len(self.replicas):
-            for replica, message in self._messages(self.replicas, None):
+        while len(results) < len(live):
+            for replica, process, message in self._receive(live, None):
                 if message[0] == "result":
                     results[replica.index] = message[1]
                 elif message[0] == "finished":
                     replica.report = message[2] or replica.report
-        return [results[r.index] for r in self.replicas]
+                elif message[0] != "admitted":
+                    raise ReplicaFailed(f"{replica.describe(process)} {self._death_cause(process, message)}")
+        return [results[r.index] for r in live]
+
+    def retries(self) -> dict:
+        """What the job went through: replicas that died and were restarted, rows run again, rows given up on."""
+        return {"replica_deaths": self.deaths, "replica_restarts": sum(r.restarts for r in self.replicas),
+                "rows_rerun": self.rows_rerun, "rows_failed_by_deaths": self.rows_given_up,
+                "events": list(self.events)}
 
     def report(self) -> dict:
-        """The replicas' latest engine reports merged (`merge_reports`), with "replicas": each one's figures."""
-        return {**merge_reports([r.report for r in self.replicas]), "replicas": [r.figures() for r in self.replicas]}
+        """The replicas' engine reports merged (`merge_reports`; a restarted replica's earlier incarnations
+        included), with "replicas": each one's figures, and "retries"."""
+        reports = [r for replica in self.replicas for r in [*replica.past_reports, replica.report] if r is not None]
+        return {**merge_reports(reports),
+                "replicas": [r.figures() for r in self.replicas if r.process is not None],
+                "retries": self.retries()}
 
     def close(self) -> None:
         """Stop every replica (a last report comes back from each that is alive) and reap them."""
-        for replica in self.replicas:
+        live = [r for r in self.replicas if r.process is not None and r.state != "retired"]
+        for replica in live:
             with contextlib.suppress(OSError):
                 replica.send_end.send(("stop",))
         deadline = time.monotonic() + STOP_TIMEOUT_S
-        for replica in self.replicas:
+        for replica in live:
             with contextlib.suppress(EOFError, OSError):
                 while replica.recv_end.poll(max(deadline - time.monotonic(), 0)):
                     message = replica.recv_end.recv()
@@ -343,11 +586,7 @@ class ReplicaPool:
                         replica.report = message[1]
                         break
             replica.process.join(max(deadline - time.monotonic(), 0.1))
-            if replica.process.is_alive():
-                replica.process.kill()
-                replica.process.join()
-            replica.send_end.close()
-            replica.recv_end.close()
+            self._reap(replica)
 
     exit = close  # the name `LLM` gives it
 
@@ -358,29 +597,52 @@ class ReplicaPool:
         self.close()
 
 
-def load_replicas(engine: EngineOptions, seed: int | None = None) -> ReplicaPool:
-    """`engine.data_parallel_size` replicas of the engine these options describe, placed on the visible devices;
-    a clean usage error (exit 2, nothing run) when the options, the model or the placement do not work."""
+def start_replicas(model: str | None, args: dict, size: int, *, max_restarts: int = DEFAULT_RESTARTS,
+                   on_event: Callable[[str], None] = lambda message: None) -> ReplicaPool:
+    """`size` replicas of `LLM(model, **args)` placed on the visible devices and started, while this process loads
+    the tokenizer; returns once one is ready. Raises PlacementError, ReplicaFailed (no replica could start) or
+    the tokenizer's error."""
     import torch
 
     from nanovllm import plan_kv_cache
 
+    on_gpu = args.get("device", "cuda" if torch.cuda.is_available() else "cpu") != "cpu"
+    placements = plan_replicas(size, args.get("tensor_parallel_size", 1), on_gpu, visible_gpus() if on_gpu else [],
+                               args.get("gpu_memory_utilization"))
+    pool = ReplicaPool(model, args, placements, max_restarts=max_restarts, on_event=on_event)
+    try:
+        # The model resolved and its tokenizer loaded here, without weights or a device: the parent tokenizes.
+        pool.prompts = plan_kv_cache(model, 1, **args).prompts
+        pool.wait_first_ready()
+    except BaseException:
+        pool.close()
+        raise
+    return pool
+
+
+def load_replicas(engine: EngineOptions, seed: int | None = None, *, max_restarts: int = DEFAULT_RESTARTS,
+                  on_event: Callable[[str], None] = lambda message: None) -> ReplicaPool:
+    """`start_replicas` for `engine.data_parallel_size` replicas of the engine these options describe; a clean
+    usage error (exit 2, nothing run) when the options, the model or the placement do not work."""
     try:
         args = engine.args(seed)
-        # The model resolved and its tokenizer loaded here, without weights or a device: the parent tokenizes.
-        prompts = plan_kv_cache(engine.model, 1, **args).prompts
-        on_gpu = args.get("device", "cuda" if torch.cuda.is_available() else "cpu") != "cpu"
-        placements = plan_replicas(engine.data_parallel_size, args.get("tensor_parallel_size", 1), on_gpu,
-                                   visible_gpus() if on_gpu else [], args.get("gpu_memory_utilization"))
+    except ValueError as exc:
+        raise o.fail(str(exc)) from None
+    try:
+        pool = start_replicas(engine.model, args, engine.data_parallel_size, max_restarts=max_restarts,
+                              on_event=on_event)
     except PlacementError as exc:
         raise o.fail(str(exc)) from None
-    except (ValueError, OSError, ImportError, RuntimeError, KeyError) as exc:
-        raise o.fail(f"cannot load the model: {exc}") from None
-    o.use_chat_template(engine, prompts)
-    try:
-        return ReplicaPool(engine.model, args, prompts, placements)
     except ReplicaFailed as exc:
         raise o.fail(f"cannot start the replicas: {exc}") from None
+    except (ValueError, OSError, ImportError, RuntimeError, KeyError) as exc:
+        raise o.fail(f"cannot load the model: {exc}") from None
+    try:
+        o.use_chat_template(engine, pool.prompts)
+    except BaseException:
+        pool.close()
+        raise
+    return pool
 
 
 def merge_reports(reports: list[dict]) -> dict:

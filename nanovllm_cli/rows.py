@@ -359,10 +359,11 @@ class RowParser:
     plain_row_keys = PLAIN_ROW_KEYS  # the fields of a plain row this parser reads
 
     def __init__(self, sampling_defaults: dict, base_seed: int, label: str, source: str | None = None,
-                 lora: LoRAModules | None = None, explicit: frozenset[str] | None = None):
-        self.defaults = sampling_defaults
-        # The defaults the user gave (None: all of them); OpenAI lines take OpenAI's default for the others.
-        self.openai_defaults = {k: v for k, v in OPENAI_DEFAULTS.items() if explicit is not None and k not in explicit}
+                 lora: LoRAModules | None = None):
+        # `sampling_defaults`: the sampling fields the user gave (the command line's). A plain row is greedy
+        # unless they say otherwise; an OpenAI line takes OpenAI's default for a field they do not give.
+        self.defaults = {"temperature": 0.0, **sampling_defaults}
+        self.openai_defaults = {k: v for k, v in OPENAI_DEFAULTS.items() if k not in sampling_defaults}
         self.lora = lora  # the job's --lora-modules (None: none, and an OpenAI line's model is not looked at)
         self.base_seed = base_seed
         self.label = f"{source} {label}" if source else label  # "line" or "row"

@@ -18,9 +18,11 @@ from nanovllm_cli.interrupts import interruptible
 from nanovllm_cli.options import EngineOptions, ExitCode, with_engine_options
 
 if TYPE_CHECKING:  # the engine imports torch: not needed for `--help`
+    from rich.console import Console
+
     from nanovllm import LLM
     from nanovllm_cli.display import Snapshot
-    from nanovllm_cli.job import RunStats
+    from nanovllm_cli.job import BatchRunner, RunStats
     from nanovllm_cli.locations import InputLocation, OutputLocation
     from nanovllm_cli.preflight import InputScan, OutputLock
     from nanovllm_cli.progress import RecentRates, Stages, TokenBudget
@@ -30,6 +32,7 @@ if TYPE_CHECKING:  # the engine imports torch: not needed for `--help`
     from nanovllm_cli.writers import Answered, Writer
 
 IO = "Input and output"
+LONG = "Long jobs"
 RAY = "Ray cluster"
 
 
@@ -89,6 +92,14 @@ def run(
         "--json", help="Print the summary as one JSON object on stdout.", rich_help_panel=IO)] = False,
     log_interval: Annotated[float, typer.Option(
         help="Seconds between progress lines when stderr is not a terminal.", rich_help_panel=IO)] = 10.0,
+    metrics_file: Annotated[Path | None, typer.Option(
+        help="Write the live figures (rows, tokens, errors, retries, each replica's) as JSON lines to this file, "
+        "every --metrics-interval seconds and at the end, for a dashboard to tail.", rich_help_panel=LONG)] = None,
+    metrics_interval: Annotated[float, typer.Option(
+        help="Seconds between lines of --metrics-file.", rich_help_panel=LONG)] = 10.0,
+    max_restarts: Annotated[int, typer.Option(
+        help="Times each replica (--data-parallel-size process, --ray engine actor) is restarted after it dies; "
+        "its rows go to the others meanwhile.", min=0, rich_help_panel=LONG)] = 3,
     max_tokens: o.MaxTokens = 64,
     temperature: o.Temperature = None,
     top_p: o.TopP = 1.0,
@@ -101,7 +112,8 @@ def run(
         help="embed: keep the first N features of each embedding (Matryoshka models), then normalize; a row's own "
         "'dimensions' wins.", rich_help_panel=o.POOLING)] = None,
     ray: Annotated[bool, typer.Option(
-        "--ray", help="Run on a Ray cluster with Ray Data (pip install 'nanovllm[ray]'): one engine per replica.",
+        "--ray", help="Run on a Ray cluster (pip install 'nanovllm[ray]'): one engine per Ray actor, OUTPUT a "
+        "folder of committed shards that --resume completes.",
         rich_help_panel=RAY)] = False,
     ray_address: Annotated[str | None, typer.Option(
         help="The cluster to join (default: RAY_ADDRESS, else a local one).", rich_help_panel=RAY)] = None,
@@ -153,11 +165,13 @@ def run(
                 "ignore_eos": ignore_eos}
     if temperature is not None:  # given: it applies to OpenAI lines too (else they take OpenAI's default, 1)
         sampling["temperature"] = temperature
+    for name, value in (("--log-interval", log_interval), ("--metrics-interval", metrics_interval)):
+        if not (math.isfinite(value) and value > 0):
+            raise o.fail(f"{name} must be a positive number of seconds, not {value}")
     if ray or ray_address is not None or ray_replicas is not None:
         from nanovllm_cli.ray_job import ray_job
 
-        unsupported = {"--resume": resume, "--retry-failed": retry_failed, "--sync": sync,
-                       "--log-interval": log_interval != 10.0, "--ray-address/--ray-replicas without --ray": not ray,
+        unsupported = {"--ray-address/--ray-replicas without --ray": not ray,
                        "--data-parallel-size (use --ray-replicas)": engine.data_parallel_size > 1,
                        "--lora-modules": bool(engine.lora_modules), "--limit": limit is not None,
                        "--ordered": ordered, "--error-file": error_file is not None, "--hf-split": hf_split is not None,
@@ -166,16 +180,17 @@ def run(
         summary = ray_job(input_path, output, input_format, engine, sampling, seed, unsupported,
                           include_token_ids=include_token_ids, reorder=reorder, window=window,
                           replicas=ray_replicas or 1, address=ray_address, overwrite=overwrite, quiet=quiet,
-                          pooling={"dimensions": dimensions})
+                          resume=resume or retry_failed or sync, retry_failed=retry_failed, sync=sync,
+                          log_interval=log_interval, metrics_file=metrics_file, metrics_interval=metrics_interval,
+                          max_restarts=max_restarts, pooling={"dimensions": dimensions})
         finish(summary, quiet, json_summary)
-    if not (math.isfinite(log_interval) and log_interval > 0):
-        raise o.fail(f"--log-interval must be a positive number of seconds, not {log_interval}")
     if output == STDIO and json_summary:
         raise o.fail("-o - writes the records on stdout: drop --json (the summary table goes to stderr)")
     job = JobOptions(resume=resume or retry_failed or sync, retry_failed=retry_failed, sync=sync,
                      overwrite=overwrite, include_token_ids=include_token_ids, drop_columns=drop_columns,
                      reorder=reorder, window=window, quiet=quiet, log_interval=log_interval, limit=limit,
-                     ordered=ordered, error_file=error_file, dimensions=dimensions)
+                     ordered=ordered, error_file=error_file, dimensions=dimensions, metrics_file=metrics_file,
+                     metrics_interval=metrics_interval, max_restarts=max_restarts)
     summary = run_local(input_path, output, input_format, hf_split, engine, sampling, seed, job)
     finish(summary, quiet, json_summary)
 
@@ -198,6 +213,9 @@ class JobOptions:
     ordered: bool
     error_file: str | None
     dimensions: int | None
+    metrics_file: Path | None
+    metrics_interval: float
+    max_restarts: int
 
 
 def run_local(input_name: str, output_name: str | None, input_format: str | None, hf_split: str | None,
@@ -230,8 +248,12 @@ def run_local(input_name: str, output_name: str | None, input_format: str | None
 def checked_job(source_in: InputLocation, target: OutputLocation, engine: EngineOptions, sampling: dict, seed: int,
                 job: JobOptions, stage: Stages) -> dict:
     """The whole-file checks (before the model loads), then the job."""
+    from rich.console import Console
+
     from nanovllm import SamplingParams
+    from nanovllm_cli.display import notice
     from nanovllm_cli.lora_modules import LoRAModules
+    from nanovllm_cli.metrics import check_writable
     from nanovllm_cli.pooling_rows import PoolingRowParser
     from nanovllm_cli.preflight import OutputLock, PreflightError, duplicates_message, input_label, scan_input
     from nanovllm_cli.progress import TokenBudget, declared_budget, startup_line
@@ -281,7 +303,12 @@ def checked_job(source_in: InputLocation, target: OutputLocation, engine: Engine
     if task == "embed" and output is not None and output.suffix.lower() == ".parquet":  # one fixed-size column
         embedding_size = job.dimensions or pooling.output_size
     layout = record_layout(scan, output, job.include_token_ids, job.drop_columns, task, embedding_size)
+    try:
+        check_writable(job.metrics_file)
+    except OSError as exc:
+        raise o.fail(f"cannot write --metrics-file {job.metrics_file}: {exc.strerror or exc}") from None
     locks = [OutputLock(path) for path in (output, error_file) if path is not None and target.remote is None]
+    console = Console(stderr=True)
     try:
         answered = prepare_outputs(target, error_file, input_path, layout, locks, scan.fingerprints, job)
         stage("loading the model" + (f" ({engine.data_parallel_size} replicas)" if engine.data_parallel_size > 1
@@ -289,7 +316,8 @@ def checked_job(source_in: InputLocation, target: OutputLocation, engine: Engine
         if engine.data_parallel_size > 1:
             from nanovllm_cli.replicas import load_replicas
 
-            source = load_replicas(engine, seed)
+            source = load_replicas(engine, seed, max_restarts=job.max_restarts,
+                                   on_event=lambda message: notice(console, message))
         else:
             source = o.load_llm(engine, seed)
         with source:
@@ -298,16 +326,13 @@ def checked_job(source_in: InputLocation, target: OutputLocation, engine: Engine
                 lora = lora and lora.with_base_names(engine.model, source.info.model, engine.served_model_name)
             except ValueError as exc:
                 raise o.fail(str(exc)) from None
-            defaults = {"temperature": 0.0, **sampling}
-            if task is None:
-                parser = RowParser(defaults, seed, label, lora=lora, explicit=frozenset(sampling))
-            else:
-                parser = PoolingRowParser(seed, label, task, {"dimensions": job.dimensions})
+            parser = RowParser(sampling, seed, label, lora=lora) if task is None \
+                else PoolingRowParser(seed, label, task, {"dimensions": job.dimensions})
             budget = TokenBudget(scan.token_budget, layout.id_key, answered.ids, sampling["max_tokens"])
             rows = (parser.parse(number, row) for number, row in budget.rows(
                 iter_rows(input_path, fmt, job.limit, source_in.split)))
             code, summary = run_job(source, rows, scan.rows, layout, target, error_file, budget, answered,
-                                    scan.fingerprints, job, engine.served_model_name)
+                                    scan.fingerprints, job, engine.served_model_name, console)
     finally:
         for lock in locks:
             lock.release()
@@ -412,12 +437,15 @@ def open_writers(target: OutputLocation, error_file: Path | None, layout: Record
 
 def run_job(source: LLM | ReplicaPool, rows: Iterable[RowRequest | RowError], rows_total: int, layout: RecordLayout,
             target: OutputLocation, error_file: Path | None, budget: TokenBudget, answered: Answered,
-            fingerprints: dict[str, str], job: JobOptions, served_model_name: str | None) -> tuple[ExitCode, dict]:
+            fingerprints: dict[str, str], job: JobOptions, served_model_name: str | None,
+            console: Console | None = None) -> tuple[ExitCode, dict]:
     """Run every row into OUTPUT through one engine or the replicas of `source`; returns the exit code and the
-    summary. `answered`: the records earlier runs left in OUTPUT (skipped; their errors count)."""
+    summary. `answered`: the records earlier runs left in OUTPUT (skipped; their errors count); `budget`: the
+    tokens the rows may still generate (it bounds the ETA)."""
     from nanovllm import LLM
     from nanovllm_cli.display import ProgressDisplay
     from nanovllm_cli.job import BatchRunner, EngineFeeder, JobFailed, RunStats
+    from nanovllm_cli.metrics import MetricsLog
     from nanovllm_cli.ordering import OrderedEngine, OrderedWriter
     from nanovllm_cli.progress import RecentRates, RecordTap
     from nanovllm_cli.records import RecordBuilder
@@ -428,20 +456,26 @@ def run_job(source: LLM | ReplicaPool, rows: Iterable[RowRequest | RowError], ro
     rates = RecentRates()
     tokens = source.report()["tokens"]
     rates.update(tokens["generated"], tokens["prefill"])  # the job's start: the first line's rates count from it
-    display = ProgressDisplay(lambda: snapshot(stats, source, budget, rates), quiet=job.quiet,
-                              log_interval=job.log_interval)
+    metrics_log = MetricsLog(job.metrics_file, job.metrics_interval, lambda: snapshot(stats, source, runner, budget, rates))
+    display = ProgressDisplay(lambda: snapshot(stats, source, runner, budget, rates), quiet=job.quiet,
+                              log_interval=job.log_interval, console=console)
     engine = EngineFeeder(source) if isinstance(source, LLM) else source
     if job.ordered:
         writer = OrderedWriter(writer, layout.id_key)
         rows = writer.rows(rows, answered.ids)
         engine = OrderedEngine(engine, writer, job.window)
+
+    def on_step() -> None:
+        display.tick()
+        metrics_log.tick()
+
     model_name = served_model_name or source.info.model  # as records and the summary name it
     records = RecordBuilder(layout, model_name, fingerprints, source.prompts)
     runner = BatchRunner(engine, RecordTap(writer, budget.answered), records, stats, window=job.window,
-                         reorder=job.reorder, skip_ids=answered.ids, on_step=display.tick, on_error=display.row_error)
+                         reorder=job.reorder, skip_ids=answered.ids, on_step=on_step, on_error=display.row_error)
     code = ExitCode.OK
     try:
-        with display:
+        with display, metrics_log:
             runner.run(rows)
     except KeyboardInterrupt:
         code = ExitCode.INTERRUPTED
@@ -480,10 +514,11 @@ def stop_message(rows_done: int, records_kept: int, target: OutputLocation) -> s
     return f"{done}; run again with --resume to finish"
 
 
-def snapshot(stats: RunStats, source: LLM | ReplicaPool, budget: TokenBudget, rates: RecentRates) -> Snapshot:
-    """The live figures from the engine's report (with replicas: their merged one, and each one's tok/s): rates
-    over the recent window, the ETA within the bound of the rows' max_tokens (progress.py)."""
-    from nanovllm_cli.display import Snapshot, eta_seconds
+def snapshot(stats: RunStats, source: LLM | ReplicaPool, runner: BatchRunner, budget: TokenBudget,
+             rates: RecentRates) -> Snapshot:
+    """The live figures from the engine's report (with replicas: their merged one, and each one's): rates over
+    the recent window, the ETA within the bound of what the rows may still generate (progress.py)."""
+    from nanovllm_cli.display import ReplicaProgress, Snapshot, eta_seconds
     from nanovllm_cli.progress import bounded_eta
 
     report = source.report()
@@ -493,17 +528,19 @@ def snapshot(stats: RunStats, source: LLM | ReplicaPool, budget: TokenBudget, ra
     output_tok_s, prefill_tok_s = rates.update(generated, report["tokens"]["prefill"])
     rows_done = stats.rows_done + stats.rows_skipped
     in_flight = generated - stats.completion_tokens
-    estimate = eta_seconds(stats.rows_total - rows_done, stats.completion_tokens / stats.rows_ok if stats.rows_ok
-                           else None, in_flight, output_tok_s)
-    eta, bound = bounded_eta(estimate, budget.left(in_flight), output_tok_s)
+    left = runner.output_tokens_left(stats.completion_tokens / stats.rows_ok, budget.default_max_tokens) \
+        if stats.rows_ok else None
+    eta, bound = bounded_eta(eta_seconds(left, in_flight, output_tok_s), budget.left(in_flight), output_tok_s)
     if source.info.pooling is not None and stats.rows_done:  # a pooling job generates nothing: by its row rate
         eta, bound = (stats.rows_total - rows_done) * elapsed / stats.rows_done, None
+    replicas = [ReplicaProgress(r["index"], r["pid"], r["state"], r["rows"], r["outstanding"], r["generated_tokens"],
+                                r["generated_tokens"] / elapsed, r["restarts"]) for r in report.get("replicas", ())]
     return Snapshot(
         rows_done=rows_done, rows_total=stats.rows_total, rows_failed=stats.rows_failed,
         rows_per_s=stats.rows_done / elapsed, output_tok_s=output_tok_s, eta_s=eta, eta_bound_s=bound,
         prefill_tok_s=prefill_tok_s, kv_cache_usage=metrics["kv_cache_usage"],
-        prefix_hit_rate=metrics["prefix_cache"]["hit_rate"], elapsed_s=elapsed,
-        replica_tok_s=[r["generated_tokens"] / elapsed for r in report["replicas"]] if "replicas" in report else None)
+        prefix_hit_rate=metrics["prefix_cache"]["hit_rate"], elapsed_s=elapsed, generated_tokens=generated,
+        completion_tokens=stats.completion_tokens, replicas=replicas or None, retries=report.get("retries"))
 
 
 def build_summary(stats: RunStats, source: LLM | ReplicaPool, output: str, model: str, layout: RecordLayout,
@@ -513,8 +550,8 @@ def build_summary(stats: RunStats, source: LLM | ReplicaPool, output: str, model
     elapsed = stats.elapsed_s
     report = source.report()
     replicas = {"data_parallel_size": len(report["replicas"]),
-                "replicas": [{**r, "output_tok_s": r["completion_tokens"] / elapsed} for r in report["replicas"]]
-                } if "replicas" in report else {}
+                "replicas": [{**r, "output_tok_s": r["completion_tokens"] / elapsed} for r in report["replicas"]],
+                "retries": report["retries"]} if "replicas" in report else {}
     return {
         "output": output,
         "output_format": "openai" if layout.openai else "plain",

@@ -1,6 +1,7 @@
 """Data parallelism (`--data-parallel-size`): replicas give the records one engine gives, rows sharing a prefix
-meet on one replica, a killed replica ends the job with exit 3 naming it and `--resume` finishes every id once;
-the progress and summary show each replica's figures; dispatch by outstanding tokens; the placement rule on GPUs."""
+meet on one replica; a killed replica is restarted and the job answers every id once, saying what it retried; a row
+that kills two replicas gets an error record and the others finish; the progress, the metrics file and the summary
+show each replica's figures; dispatch by outstanding tokens and prefix; the placement rule on GPUs."""
 import json
 import os
 import re
@@ -59,16 +60,18 @@ def run_both(tmp_path, path, *args):
 
 
 def check_replica_figures(stderr: str, summary: dict) -> None:
-    """The last progress line shows each replica's output tok/s beside the total; the table has a row per replica."""
+    """The last progress line shows each replica's output tok/s (or that it is still starting: the job does not
+    wait for it) beside the total; the table has a row per replica."""
     progress = [line for line in stderr.splitlines() if line.startswith("[nanovllm] ")][-1]
     total = float(re.search(r"\| out ([\d,.]+) tok/s", progress)[1].replace(",", ""))
-    each = re.search(r"\| replicas ([\d,.]+) / ([\d,.]+) tok/s \|", progress)
+    each = re.search(r"\| replicas ([\d,.]+|starting) / ([\d,.]+|starting) tok/s \|", progress)
     assert each, progress
-    rates = [float(rate.replace(",", "")) for rate in each.groups()]
-    assert all(rate > 0 for rate in rates) and sum(rates) == pytest.approx(total, rel=0.01, abs=0.2)
+    rates = [float(rate.replace(",", "")) for rate in each.groups() if rate != "starting"]
+    assert rates and sum(rates) == pytest.approx(total, rel=0.01, abs=0.2)
     for replica in summary["replicas"]:
         assert f"replica {replica['index']} (CPU, pid {replica['pid']})" in stderr
-        assert replica["output_tok_s"] > 0
+        assert (replica["output_tok_s"] > 0) == (replica["rows"] > 0)
+        assert replica["start_s"] is not None or replica["rows"] == 0
 
 
 def test_two_replicas_give_the_records_of_one_and_a_prefix_group_meets_on_one_replica(tmp_path):
@@ -84,9 +87,11 @@ def test_two_replicas_give_the_records_of_one_and_a_prefix_group_meets_on_one_re
     assert two["cached_tokens"] == one["cached_tokens"] == 2 * 3 * 32
     replicas = two["replicas"]
     assert [r["index"] for r in replicas] == [0, 1] and two["data_parallel_size"] == 2
-    assert sum(r["rows"] for r in replicas) == len(rows) and all(r["rows"] > 0 for r in replicas)
+    assert sum(r["rows"] for r in replicas) == len(rows)  # on the replicas ready in time (the job waits for none)
+    assert two["retries"] == {"replica_deaths": 0, "replica_restarts": 0, "rows_rerun": 0, "rows_failed_by_deaths": 0,
+                              "events": []}
     assert sum(r["cached_tokens"] for r in replicas) == 2 * 3 * 32
-    assert sum(r["engine"]["requests"] for r in replicas) == len(rows)
+    assert sum(r["engine"]["requests"] for r in replicas if r["engine"]) == len(rows)
     assert two["engine"]["requests"] == len(rows) and two["kv_cache"]["prefix_cache"]["hit_tokens"] == 2 * 3 * 32
     assert "replicas" not in one
     check_replica_figures(stderr, two)
@@ -122,44 +127,93 @@ def test_logprobs_come_back_from_the_replicas_as_from_one_engine(tmp_path):
     assert by_id_dp == by_id
 
 
-def replica_pids(parent: int) -> list[int]:
-    """The replica processes of a job: its spawned children (not multiprocessing's resource tracker)."""
-    children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
-    return [int(pid) for pid in children
-            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+def metrics_lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def test_a_killed_replica_ends_the_job_with_exit_3_naming_it_and_resume_finishes(tmp_path):
-    n = 80
+def test_a_killed_replica_is_restarted_and_every_row_is_answered_once(tmp_path):
+    """Kill a replica that is running rows (its pid from the metrics file): the job goes on with the other, the
+    dead one's rows run again, it is restarted, and OUTPUT has every id once, each fully answered."""
+    n = 60
     path = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt_token_ids": [i % 500 + 1] * (3 + i % 7)}
                                                for i in range(n)])
-    out = tmp_path / "out.jsonl"
-    args = [*SHAPE, "--max-tokens", "12", "--ignore-eos", "--data-parallel-size", "2"]
-    proc = subprocess.Popen([str(NANOVLLM), "run", str(path), "-o", str(out), *args, "--max-num-seqs", "1", "-q"],
+    out, metrics = tmp_path / "out.jsonl", tmp_path / "metrics.jsonl"
+    proc = subprocess.Popen([str(NANOVLLM), "run", str(path), "-o", str(out), *SHAPE, "--max-tokens", "12",
+                             "--ignore-eos", "--data-parallel-size", "2", "--max-num-seqs", "2", "-q", "--json",
+                             "--metrics-file", str(metrics), "--metrics-interval", "0.2"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while not (out.exists() and out.read_bytes().count(b"\n") >= 4):
+    deadline = time.monotonic() + 300
+    victim = None
+    while victim is None:
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.01)
-    replicas = replica_pids(proc.pid)
-    assert len(replicas) == 2
-    victim = replicas[1]
-    os.kill(victim, signal.SIGKILL)
-    _, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 3, stderr
-    assert f"pid {victim}, CPU) died: killed by SIGKILL" in stderr and "--resume" in stderr
-    assert "Traceback" not in stderr
-    assert not any(process_alive(pid) for pid in replicas)  # the other replica was stopped too
-    written = out.read_text()
-    assert written.endswith("\n") and written.count("\n") < n  # whole records, the job really cut short
-    before = set(records(out))
-    result = invoke("run", path, "-o", out, *args, "--resume", "--json", "-q")
-    assert result.exit_code == 0, result.stderr
-    summary = json.loads(result.stdout)
-    assert summary["rows_skipped"] == len(before) and summary["rows_ok"] == n - len(before)
+        busy = [r for line in metrics_lines(metrics)[-1:] for r in line["replicas"] if r["state"] == "ready"
+                and r["rows"] >= 2 and r["outstanding"] >= 2]
+        victim = busy[0] if busy and metrics_lines(metrics)[-1]["rows_done"] < n - 10 else None
+        time.sleep(0.05)
+    os.kill(victim["pid"], signal.SIGKILL)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr
+    summary = json.loads(stdout)
+    retries = summary["retries"]
+    assert (retries["replica_deaths"], retries["replica_restarts"], retries["rows_failed_by_deaths"]) == (1, 1, 0)
+    assert retries["rows_rerun"] >= 1 and summary["rows_ok"] == n
+    died = f"replica {victim['index']} (pid {victim['pid']}, CPU) died: killed by SIGKILL"
+    assert retries["events"][0].startswith(died) and f"notice {died}" in stderr and "restarting it" in stderr
+    restarted = summary["replicas"][victim["index"]]
+    assert restarted["restarts"] == 1 and restarted["pid"] != victim["pid"]
     lines = out.read_text().splitlines()
     assert sorted(json.loads(line)["id"] for line in lines) == sorted(f"r{i}" for i in range(n))  # once each
     assert all(json.loads(line)["completion_tokens"] == 12 for line in lines)
+    final = metrics_lines(metrics)[-1]
+    assert final["final"] and final["rows_done"] == n and final["retries"]["replica_deaths"] == 1
+    assert [r["restarts"] for r in final["replicas"]] == [r["restarts"] for r in summary["replicas"]]
+    assert not any(process_alive(r["pid"]) for r in summary["replicas"])  # the restarted one was stopped too
+
+
+POISON = 499  # a token id no other row of the poison test holds
+
+
+def poisoned_replica_main(model, engine_args, conn_in, conn_out):
+    """`replica_main` whose engine kills its own process at a step running a row whose prompt holds POISON (as a
+    row that crashes the engine would)."""
+    from nanovllm import LLM
+    from nanovllm_cli.replicas import replica_main
+
+    add_request, step = LLM.add_request, LLM.step
+
+    def poisoned_add_request(self, *args, **kwargs):
+        self.poisoned = getattr(self, "poisoned", False) or POISON in (kwargs.get("prompt_token_ids") or ())
+        return add_request(self, *args, **kwargs)
+
+    def poisoned_step(self):
+        if getattr(self, "poisoned", False):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return step(self)
+
+    LLM.add_request, LLM.step = poisoned_add_request, poisoned_step
+    replica_main(model, engine_args, conn_in, conn_out)
+
+
+def test_a_row_that_kills_two_replicas_gets_an_error_record_and_the_others_finish(tmp_path, monkeypatch):
+    import nanovllm_cli.replicas as replicas
+
+    monkeypatch.setattr(replicas, "replica_main", poisoned_replica_main)
+    rows = [{"id": f"r{i}", "prompt_token_ids": [i + 1] * (3 + i % 5)} for i in range(16)]
+    rows.insert(5, {"id": "poison", "prompt_token_ids": [7, POISON, 7]})
+    path, out = write_jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl"
+    result = invoke("run", path, "-o", out, *SHAPE, "--max-tokens", 6, "--ignore-eos",
+                    "--data-parallel-size", 2, "--max-num-seqs", 2, "--json", "-q")
+    assert result.exit_code == 1, result.stderr  # the poison row's error record
+    summary = json.loads(result.stdout)
+    retries = summary["retries"]
+    assert (retries["replica_deaths"], retries["rows_failed_by_deaths"]) == (2, 1), retries["events"]
+    by_id = records(out)
+    assert sorted(by_id) == sorted(r["id"] for r in rows)  # every row once
+    poisoned = by_id.pop("poison")
+    assert poisoned["finish_reason"] == "error" and poisoned["error"].startswith("line 6: 2 replicas died with this row")
+    assert all(r["error"] is None and r["completion_tokens"] == 6 for r in by_id.values())
+    assert (summary["rows_ok"], summary["rows_failed"]) == (16, 1)
+    assert all("died: killed by SIGKILL" in event.split(";")[0] for event in retries["events"])
 
 
 def test_bench_spreads_the_workload_over_replicas(tmp_path):
@@ -209,8 +263,9 @@ def test_data_parallel_usage_errors_exit_2(tmp_path):
 
 
 def test_a_replica_whose_engine_fails_in_a_step_reports_the_rows_of_that_step(monkeypatch):
-    """The replica's side, in this process: groups in, a failing step, then the rows of that step sent back as
-    failed (the parent gives them error records and ends the job) and the replica stops."""
+    """The replica's side, in this process: groups in, the rows entering the engine reported, a failing step, then
+    the rows of that step sent back as failed (the parent runs them again as suspects and restarts the replica) and
+    the replica stops."""
     import multiprocessing as mp
 
     from nanovllm import LLM, SamplingParams
@@ -235,8 +290,9 @@ def test_a_replica_whose_engine_fails_in_a_step_reports_the_rows_of_that_step(mo
     messages = []
     while parent_in.poll():
         messages.append(parent_in.recv())
-    assert [m[0] for m in messages] == ["ready", "failed"]
-    _, error, problem, ids = messages[1]
+    assert [m[0] for m in messages] == ["ready", "admitted", "failed"]
+    assert messages[1][1] == ["r0", "r1"]  # told before the step that failed: a crash there would name them
+    _, error, problem, ids = messages[2]
     assert ids == ["r0", "r1"]  # the two rows in the failed step (max_num_seqs 2); r2 was never admitted
     assert "device on fire" in error and "line 1 (id 'r0')" in error and "device on fire" in problem
 
@@ -253,15 +309,17 @@ class SentMessages:
 
 def idle_pool(replicas: int, max_num_seqs: int):
     """A ReplicaPool's dispatch state without processes: `replicas` replicas with nothing outstanding."""
-    from collections import deque
+    from collections import OrderedDict, deque
 
     from nanovllm_cli.placement import Placement
     from nanovllm_cli.replicas import Replica, ReplicaPool
 
     pool = object.__new__(ReplicaPool)
-    pool.replicas = [Replica(i, Placement(None, None, 0), None, SentMessages(), None) for i in range(replicas)]
-    pool.pending, pool.requests, pool.failure = deque(), {}, None
-    pool.chunk, pool.room = max_num_seqs, 2 * max_num_seqs
+    pool.replicas = [Replica(i, Placement(None, None, 0), None, SentMessages(), None, state="ready")
+                     for i in range(replicas)]
+    pool.pending, pool.suspects, pool.requests, pool.failure = deque(), deque(), {}, None
+    pool.strikes, pool.affinity = {}, OrderedDict()
+    pool.block_size, pool.chunk, pool.room = 16, max_num_seqs, 2 * max_num_seqs
     return pool
 
 
@@ -297,3 +355,74 @@ def test_dispatch_sends_each_group_whole_to_the_replica_with_the_fewest_outstand
     pool._dispatch()
     assert placed(pool)[1][-1] == ["late0"] and not pool.pending
     assert len(pool.requests) == 12 and "short0" not in pool.requests
+
+
+def test_suspects_go_one_per_replica_and_a_prefix_returns_to_its_replica():
+    from collections import deque
+
+    from nanovllm import SamplingParams
+    from nanovllm_cli.admission import PrefixGroup
+    from nanovllm_cli.job import RowFailure
+    from nanovllm_cli.rows import RowRequest
+
+    def row(name, tokens, max_tokens=10):
+        return RowRequest(name, "line 1", "token_ids", [], SamplingParams(max_tokens=max_tokens), token_ids=tokens)
+
+    def sent(pool):
+        return [[[r.id for r in g] for m in replica.send_end.sent for g in m[1]] for replica in pool.replicas]
+
+    pool = idle_pool(2, max_num_seqs=4)
+    pool.suspects.extend(row(f"s{i}", [i + 1] * 3) for i in range(3))
+    pool._dispatch()
+    # Rows that were in a dead replica's engine: one per replica, so a second death names the row that caused it.
+    assert sent(pool) == [[["s0"]], [["s1"]]] and [r.id for r in pool.suspects] == ["s2"]
+    pool.add([PrefixGroup(deque([row("plain", [9] * 3)]))])  # ordinary rows flow beside the suspects
+    assert sent(pool)[0][-1] == ["plain"] or sent(pool)[1][-1] == ["plain"]
+    pool._finish(pool.replicas[1], "s1", RowFailure("answered", 500))
+    pool._dispatch()
+    assert sent(pool)[1][-1] == ["s2"] and not pool.suspects
+
+    pool = idle_pool(2, max_num_seqs=4)
+    prefix = [5] * 16  # one KV block; each row below: 17 prompt tokens + 10 = 27 outstanding
+    pool.add([PrefixGroup(deque([row("a", prefix + [1])]))])
+    # The same prefix goes back to replica 0 while it is at most that group's tokens busier than replica 1 (27 <=
+    # 0 + 27) ...
+    pool.add([PrefixGroup(deque([row("b", prefix + [2])]))])
+    # ... not when it is busier than that (54 > 0 + 27): the least busy takes it, and has the prefix from then on.
+    pool.add([PrefixGroup(deque([row("c", prefix + [3])]))])
+    pool.add([PrefixGroup(deque([row("d", prefix + [4])]))])
+    assert sent(pool) == [[["a"], ["b"]], [["c"], ["d"]]]
+    assert pool.affinity[tuple(prefix)] == 1
+
+
+def test_an_idle_replica_gets_half_the_rows_queued_on_the_busiest():
+    """A replica that starts late, or the job's tail: the rows a replica holds beyond its engine go where there is
+    room (whole prefix groups that have not entered its engine, newest first)."""
+    from collections import deque
+
+    from nanovllm import SamplingParams
+    from nanovllm_cli.admission import PrefixGroup
+    from nanovllm_cli.job import EngineFeeder
+    from nanovllm_cli.rows import RowRequest
+
+    def row(name):
+        return RowRequest(name, "line 1", "token_ids", [], SamplingParams(max_tokens=4), token_ids=[1, 2])
+
+    feeder = object.__new__(EngineFeeder)
+    feeder.groups = [PrefixGroup(deque([row("a"), row("b")]), leader_round=1), PrefixGroup(deque([row("c")])),
+                     PrefixGroup(deque([row("d"), row("e")]))]
+    assert [[r.id for r in g] for g in feeder.withdraw(2)] == [["d", "e"]]
+    assert [[r.id for r in g] for g in feeder.withdraw(5)] == [["c"]]  # "a" is in the engine: its group stays
+    assert [[r.id for r in g.requests] for g in feeder.groups] == [["a", "b"]]
+
+    pool = idle_pool(2, max_num_seqs=2)
+    pool.replicas[1].state = "starting"
+    pool.add([PrefixGroup(deque([row(f"r{i}")])) for i in range(4)])  # replica 1 not ready yet: all on replica 0
+    pool.replicas[1].state = "ready"
+    pool.replicas[0].in_engine = {"r0", "r1"}
+    pool._rebalance()
+    assert pool.replicas[0].send_end.sent[-1] == ("withdraw", 1) and pool.replicas[0].withdrawing
+    pool._given_back(pool.replicas[0], [["r3"]])  # what the replica still had queued
+    pool._dispatch()
+    assert pool.replicas[1].send_end.sent[-1][1][0][0].id == "r3" and not pool.replicas[0].withdrawing
+    assert sorted(pool.replicas[0].outstanding) == ["r0", "r1", "r2"] and sorted(pool.requests) == ["r0", "r1", "r2", "r3"]

@@ -352,7 +352,7 @@ def test_every_record_is_one_line_for_any_line_splitter(tmp_path):
 # ---- progress ------------------------------------------------------------------------------------------------------
 
 def test_progress_counts_tokens_generated_before_any_row_finishes():
-    from nanovllm_cli.job import RunStats
+    from nanovllm_cli.job import BatchRunner, EngineFeeder, RunStats
     from nanovllm_cli.progress import RecentRates, TokenBudget
     from nanovllm_cli.run_cmd import snapshot
 
@@ -365,21 +365,30 @@ def test_progress_counts_tokens_generated_before_any_row_finishes():
     for _ in range(6):
         llm.step()
     stats = RunStats(rows_total=1)
-    snap = snapshot(stats, llm, budget, rates)
+    runner = BatchRunner(EngineFeeder(llm), None, None, stats, window=1, reorder=False, skip_ids=set(),
+                         on_step=lambda: None)
+    snap = snapshot(stats, llm, runner, budget, rates)
     # 1 prefill step + 5 decode steps sampled 6 tokens; the counter leaves out the in-flight row's first one
     assert stats.rows_done == 0 and llm.report()["tokens"]["generated"] == 5
     assert snap.output_tok_s > 0 and snap.prefill_tok_s > 0
     assert snap.eta_s is None and snap.eta_bound_s == pytest.approx(45 / snap.output_tok_s)  # no row finished yet
 
 
-def test_eta_moves_while_long_rows_generate():
-    """Ten rows of ~100 tokens, one finished, three in flight: the estimate falls as the in-flight rows generate."""
+def test_eta_moves_while_long_rows_generate_and_is_bounded_by_each_rows_max_tokens():
+    """Ten rows of ~100 tokens, one finished, three in flight: the estimate falls as the in-flight rows generate;
+    a row never counts for more than its max_tokens."""
     from nanovllm_cli.display import eta_seconds
+    from nanovllm_cli.job import BatchRunner, RunStats
 
-    assert eta_seconds(9, 100.0, 0, 10.0) == 90.0
-    assert eta_seconds(9, 100.0, 150, 10.0) == 75.0
-    assert eta_seconds(1, 100.0, 500, 10.0) == 0.0  # longer than the mean: never negative
-    assert eta_seconds(9, None, 150, 10.0) is None
+    assert eta_seconds(900.0, 0, 10.0) == 90.0
+    assert eta_seconds(900.0, 150, 10.0) == 75.0
+    assert eta_seconds(100.0, 500, 10.0) == 0.0  # longer than the mean: never negative
+    assert eta_seconds(None, 150, 10.0) is None
+    runner = BatchRunner(None, None, None, RunStats(rows_total=10), window=4, reorder=False, skip_ids=set(),
+                         on_step=lambda: None)
+    runner.rows_read, runner.open = 4, {"short": 8, "long": 500, "mid": 100}  # read, not answered
+    # 8 + 100 + 100 for the open rows, then 6 rows not read yet at most --max-tokens 64 each
+    assert runner.output_tokens_left(100.0, 64) == 8 + 100 + 100 + 6 * 64
 
 
 # ---- resume by row content -----------------------------------------------------------------------------------------

@@ -215,7 +215,7 @@ def test_run_ray_embeds_as_run_does(models, tmp_path):
         ray.shutdown()
     assert result.exit_code == 1, result.stderr
     assert json.loads(result.stdout)["rows_failed"] == 1
-    shards = {r["id"]: r for f in sorted(out.iterdir()) for r in pq.read_table(f).to_pylist()}
+    shards = {r["id"]: r for f in sorted(out.glob("part-*")) for r in pq.read_table(f).to_pylist()}
     assert shards.keys() == expected.keys()
     assert "temperature: generation fields do not apply" in shards["bad"]["error"]
     for key, record in expected.items():

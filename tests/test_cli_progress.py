@@ -81,6 +81,14 @@ class FakeEngine:
                 "tokens": {"generated": self.generated, "prefill": 0}}
 
 
+class FakeRunner:
+    """BatchRunner's estimate: each unanswered row at the mean length of the answered ones (8 rows left)."""
+
+    @staticmethod
+    def output_tokens_left(per_row, default_max_tokens):
+        return 8 * min(per_row, default_max_tokens)
+
+
 def test_eta_is_never_0s_while_rows_remain():
     """Ten rows of max_tokens 100; two finished after 2 tokens each, the rows in flight have generated 46 tokens
     since: the mean of the finished rows says nothing is left (the old "eta 0s"), the budget bounds the rest."""
@@ -94,11 +102,11 @@ def test_eta_is_never_0s_while_rows_remain():
     engine = FakeEngine(generated=0)
     rates.update(0, 0)
     clock.now, engine.generated = 10.0, 50  # 5 tok/s
-    snap = snapshot(stats, engine, budget, rates)
+    snap = snapshot(stats, engine, FakeRunner(), budget, rates)
     assert snap.eta_s is None and snap.eta_bound_s == pytest.approx((800 - 46) / 5.0)
     assert "eta <= 2m31s" in snap.figures()
     stats.rows_ok = 10
-    assert "eta 0s" in snapshot(stats, engine, budget, rates).figures()  # done
+    assert "eta 0s" in snapshot(stats, engine, FakeRunner(), budget, rates).figures()  # done
 
 
 def test_loading_names_its_stages_and_the_engines_phases():

@@ -200,7 +200,7 @@ class ModelRunner:
                                                 self.num_groups)
                 self.lora.set_step(None)
             self.startup_s["cuda_graphs"] = time.perf_counter() - started
-        if self.device.type == "cuda":  # every sampling kernel compiled now, not inside the first job that needs it
+        if self.device.type == "cuda" and pooling is None:  # every sampling kernel compiled now, not in a job
             started = time.perf_counter()
             warm_up_sampling(self.device, self.vocab_size, self.dtype)
             self.startup_s["sampling_kernels"] = time.perf_counter() - started
@@ -263,13 +263,15 @@ class ModelRunner:
         if not self.kv_groups.width:
             return 0
         if pooling is None:
-            return self._kv_budget_blocks()
+            return self._kv_budget_blocks(samples=True)
         config = self.config
-        return min(self._kv_budget_blocks(), pooling_kv_blocks(config.max_num_batched_tokens, self.max_model_len,
+        return min(self._kv_budget_blocks(samples=False), pooling_kv_blocks(config.max_num_batched_tokens, self.max_model_len,
                                                                config.max_num_seqs or MAX_AUTO_NUM_SEQS,
                                                                self.block_size, self.num_groups))
 
-    def _kv_budget_blocks(self) -> int:
+    def _kv_budget_blocks(self, samples: bool) -> int:
+        """The blocks the memory budget leaves beside the worst step (`samples`: its rows are sampled; a pooling
+        engine's are pooled, its "logits" are hidden states)."""
         if self.device.type == "cpu":
             return self.config.cpu_kv_cache_bytes // self.kv_block_bytes
         meter = EngineMemoryMeter(self.device)
@@ -277,8 +279,12 @@ class ModelRunner:
         rows = min(self.config.max_num_seqs or MAX_AUTO_NUM_SEQS, self.config.max_num_batched_tokens)
         scratch = self._allocate_kv_cache(1)  # every write skipped, every table entry pointing at it: real
         self._bind_kv_cache(scratch)          # shapes reading valid memory, touching no real KV
-        worst = WorstStep(activations=meter.peak_of(lambda: self._sample_worst(self._warmup_forward(
-                              self.config.max_num_batched_tokens, rows))),
+        def worst_forward():
+            logits = self._warmup_forward(self.config.max_num_batched_tokens, rows)
+            if samples:
+                self._sample_worst(logits)
+
+        worst = WorstStep(activations=meter.peak_of(worst_forward),
                           graph_pool=meter.peak_of(lambda: self._warmup_forward(rows, rows)) if self._uses_graphs else 0)
         self._warmup_mixed_step()
         del scratch
