@@ -2,7 +2,15 @@
 
 The public surface is `__all__`: tools such as `nanovllm_cli` use nothing else (tests/test_public_api.py)."""
 from nanovllm.engine.choice_scores import ChoiceScore, ChoicesRequestOutput
-from nanovllm.engine.dry_run import KVCachePlan, PrefixCacheReplay, block_hashes, plan_kv_cache, pooling_spec
+from nanovllm.engine.dry_run import (
+    KVCachePlan,
+    ModelSource,
+    PrefixCacheReplay,
+    block_hashes,
+    model_source,
+    plan_kv_cache,
+    pooling_spec,
+)
 from nanovllm.engine.info import CostModel, EngineInfo
 from nanovllm.engine.llm_engine import LLM, StepFailedError
 from nanovllm.engine.logprob_records import Logprob, PositionLogprobs
@@ -28,7 +36,7 @@ from nanovllm.tokenization import PromptTokenizer
 __version__ = "0.1.0"
 __all__ = ["LLM", "ChoiceScore", "ChoicesRequestOutput", "ClassificationOutput", "ClassificationRequestOutput",
            "CompletionOutput", "CostModel", "EmbeddingOutput", "EmbeddingRequestOutput", "EngineInfo", "KVCachePlan",
-           "LoRARequest", "Logprob", "PoolingOutput", "PoolingParams", "PoolingRequestOutput", "PoolingSpec",
+           "LoRARequest", "Logprob", "ModelSource", "PoolingOutput", "PoolingParams", "PoolingRequestOutput", "PoolingSpec",
            "PositionLogprobs", "PrefixCacheReplay", "PromptTokenizer", "RequestOutput", "SamplingParams", "ScoringOutput",
            "ScoringRequestOutput", "StepFailedError", "StructuredOutputsParams", "__version__", "block_hashes",
-           "from_response_format", "plan_kv_cache", "pooling_spec", "save_random_lora_adapter"]
+           "from_response_format", "model_source", "plan_kv_cache", "pooling_spec", "save_random_lora_adapter"]

@@ -36,6 +36,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     load_format: str = "auto"
     revision: str | None = None  # of a Hugging Face Hub model id: a branch, tag or commit (default: main)
+    tokenizer: str | None = None  # a tokenizer folder or Hub id instead of the model's own (vLLM's `tokenizer`)
     async_scheduling: bool = False
     attention_backend: str | None = None
     # "fp8": FP8 weights for the decoder's linear layers (layers/fp8.py); an FP8 checkpoint needs no argument.

@@ -165,7 +165,7 @@ def measure(llm, workload: Workload, modes: list[bool], rounds: int, warmup_seed
     return results, async_over_sync, chosen
 
 
-@with_engine_options()
+@with_engine_options(exclude=("served_model_name",))
 def bench(
     dataset_name: Annotated[str, typer.Option(
         metavar="random|sharegpt",
@@ -282,6 +282,7 @@ def bench(
     num_rows = default_rows if num_prompts is None else num_prompts
     if num_rows < 1:
         raise o.fail(f"--num-prompts must be at least 1, not {num_rows}")
+    o.model_source(engine)  # a model shape needs --load-format dummy
     if engine.task is not None:
         from nanovllm_cli.bench_pooling import pooling_bench
 

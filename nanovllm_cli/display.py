@@ -41,6 +41,7 @@ class Snapshot:
     prefix_hit_rate: float | None
     elapsed_s: float
     eta_s: float | None
+    eta_bound_s: float | None = None  # at most this long: the rows' max_tokens at the output rate (progress.py)
     generated_tokens: int = 0
     completion_tokens: int = 0  # of the rows answered
     replicas: list[ReplicaProgress] | None = None  # with several engines: each one's
@@ -58,13 +59,28 @@ class Snapshot:
             parts.append(f"kv {self.kv_cache_usage:.0%}")
         if self.prefix_hit_rate is not None:
             parts.append(f"prefix hit {self.prefix_hit_rate:.0%}")
-        parts.append(f"eta {duration(self.eta_s)}")
+        parts.append(f"eta {self.eta()}")
         return " | ".join(parts)
+
+    def eta(self) -> str:
+        """'0s' once every row is answered; while rows remain, never '0s' (see `eta_text`)."""
+        return "0s" if self.rows_done >= self.rows_total else eta_text(self.eta_s, self.eta_bound_s)
 
     def as_dict(self) -> dict:
         """The figures for a machine (the metrics file)."""
         return {**{k: v for k, v in vars(self).items() if k != "replicas"},
                 "replicas": None if self.replicas is None else [vars(r) for r in self.replicas]}
+
+
+def eta_text(eta_s: float | None, bound_s: float | None) -> str:
+    """The time left while rows remain: '1m10s', '1m10s (<= 4m00s)', or '<= 4m00s' when only the bound is known;
+    under half a second '<1s', since '0s' would say the job is done."""
+    def left(seconds: float | None) -> str:
+        return "<1s" if seconds is not None and seconds < 0.5 else duration(seconds)
+
+    if bound_s is None:
+        return left(eta_s)
+    return f"<= {left(bound_s)}" if eta_s is None else f"{left(eta_s)} (<= {left(bound_s)})"
 
 
 def eta_seconds(tokens_left: float | None, tokens_in_flight: int, tok_s: float) -> float | None:

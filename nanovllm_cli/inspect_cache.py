@@ -12,7 +12,7 @@ from nanovllm_cli.options import EngineOptions, with_engine_options
 
 
 @with_engine_options("model", "revision", "block_size", "kv_cache_gib", "gpu_memory_utilization", "dtype",
-                     "kv_cache_dtype", "device", "max_model_len", "chat_template")
+                     "kv_cache_dtype", "device", "max_model_len", "chat_template", "tokenizer")
 def inspect_cache(
     input_path: Annotated[Path, typer.Argument(
         metavar="INPUT", help="Rows, as for `run`: .jsonl or .parquet.", exists=True, dir_okay=False,

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Annotated, get_type_hints
 import typer
 
 if TYPE_CHECKING:
-    from nanovllm import LLM, PoolingSpec, PromptTokenizer
+    from nanovllm import LLM, ModelSource, PromptTokenizer
 
 ENGINE = "Engine"
 SAMPLING = "Sampling defaults (a row's own fields win)"
@@ -34,8 +34,9 @@ class EngineOptions:
     `@with_engine_options(...)` and receives them as one `engine: EngineOptions` argument."""
 
     model: Annotated[str | None, typer.Option(
-        "--model", "-m", help="HF checkpoint dir, .gguf file, preset (qwen3-0.6b, tiny-qwen3, ...) or Hugging Face "
-        "Hub id (Qwen/Qwen3-0.6B). Default: the embedded SmolLM2-135M-Instruct.", rich_help_panel=ENGINE)] = None
+        "--model", "-m", help="HF checkpoint dir, .gguf file or Hugging Face Hub id (Qwen/Qwen3-0.6B). Default: the "
+        "embedded SmolLM2-135M-Instruct. A model shape with random weights and no tokenizer (qwen3-0.6b, tiny-qwen3, "
+        "...: core/presets) needs --load-format dummy.", rich_help_panel=ENGINE)] = None
     revision: Annotated[str | None, typer.Option(
         help="Branch, tag or commit of a Hub model id (default: main).", rich_help_panel=ENGINE)] = None
     dtype: Annotated[str | None, typer.Option(
@@ -71,12 +72,14 @@ class EngineOptions:
     block_size: Annotated[int | None, typer.Option(
         help="KV-cache block size in tokens (default 16).", rich_help_panel=ENGINE)] = None
     no_prefix_caching: Annotated[bool, typer.Option(
-        "--no-prefix-caching", help="Disable the prefix cache.", rich_help_panel=ENGINE)] = False
-    async_scheduling: Annotated[bool, typer.Option(
-        "--async", help="Asynchronous scheduling: the host prepares step n+1 while the GPU runs step n.",
+        "--no-enable-prefix-caching", "--no-prefix-caching", help="Disable the prefix cache.",
         rich_help_panel=ENGINE)] = False
+    async_scheduling: Annotated[bool, typer.Option(
+        "--async-scheduling", "--async", help="Asynchronous scheduling: the host prepares step n+1 while the GPU "
+        "runs step n.", rich_help_panel=ENGINE)] = False
     num_kv_blocks: Annotated[int | None, typer.Option(
-        help="Exact number of KV blocks (instead of sizing the cache from memory).", rich_help_panel=ENGINE)] = None
+        "--num-gpu-blocks-override", "--num-kv-blocks", help="Exact number of KV blocks (instead of sizing the "
+        "cache from memory).", rich_help_panel=ENGINE)] = None
     kv_cache_gib: Annotated[float | None, typer.Option(
         help="KV-cache budget on the CPU, in GiB (default 1).", rich_help_panel=ENGINE)] = None
     device: Annotated[str | None, typer.Option(
@@ -102,6 +105,12 @@ class EngineOptions:
     chat_template: Annotated[str | None, typer.Option(
         "--chat-template", metavar="FILE", help="A Jinja chat template for 'messages' rows instead of the model's "
         "(a row cannot bring one).", rich_help_panel=ENGINE)] = None
+    tokenizer: Annotated[str | None, typer.Option(
+        "--tokenizer", metavar="PATH", help="A tokenizer folder or Hub id to use instead of the model's own (e.g. "
+        "a shape's: --model qwen3-0.6b --load-format dummy --tokenizer Qwen/Qwen3-0.6B).", rich_help_panel=ENGINE)] = None
+    served_model_name: Annotated[str | None, typer.Option(
+        "--served-model-name", metavar="NAME", help="The model's name in the records and OpenAI bodies (default: "
+        "its folder or Hub id); an OpenAI line's body.model may name it.", rich_help_panel=ENGINE)] = None
 
     def chat_template_text(self) -> str | None:
         """The text of the --chat-template file, or None; ValueError naming the file when it cannot be used."""
@@ -137,7 +146,7 @@ class EngineOptions:
                 "gpu_memory_utilization": self.gpu_memory_utilization,
                 "tensor_parallel_size": self.tensor_parallel_size, "load_format": self.load_format,
                 "quantization": self.quantization,
-                "revision": self.revision,
+                "revision": self.revision, "tokenizer": self.tokenizer,
                 "block_size": self.block_size, "num_kv_blocks": self.num_kv_blocks, "device": self.device,
                 "attention_backend": self.attention_backend, "seed": seed, "task": self.task,
                 "cpu_kv_cache_bytes": None if self.kv_cache_gib is None else max(int(self.kv_cache_gib * (1 << 30)), 1),
@@ -150,27 +159,15 @@ class EngineOptions:
         return {k: v for k, v in args.items() if v is not None}
 
 
-def pooling_of(engine: EngineOptions) -> PoolingSpec | None:
-    """How the engine these options describe pools (None: it generates), from the model's config before it
-    loads. A model or task that cannot be resolved counts as generating here: loading it reports why, once the
-    whole-file checks have had their say (with --ray, on the node that loads it: the driver may lack the model)."""
-    from nanovllm import pooling_spec
-
-    try:
-        return pooling_spec(engine.model, **engine.args())
-    except (ValueError, OSError, ImportError, KeyError):
-        return None
-
-
-def with_engine_options(*names: str) -> Callable[[Callable], Callable]:
-    """Add the engine options `names` (every one when none are named) to a typer command's parameters; the
-    command receives them as `engine: EngineOptions` (options not named keep their defaults)."""
+def with_engine_options(*names: str, exclude: tuple[str, ...] = ()) -> Callable[[Callable], Callable]:
+    """Add the engine options `names` (every one but `exclude` when none are named) to a typer command's
+    parameters; the command receives them as `engine: EngineOptions` (options not named keep their defaults)."""
     hints = get_type_hints(EngineOptions, include_extras=True)
     defaults = {f.name: f.default for f in fields(EngineOptions)}
-    unknown = set(names) - set(defaults)
+    unknown = (set(names) | set(exclude)) - set(defaults)
     if unknown:
         raise ValueError(f"not engine options: {sorted(unknown)}")
-    chosen = names or tuple(defaults)
+    chosen = names or tuple(n for n in defaults if n not in exclude)
 
     def decorate(command: Callable) -> Callable:
         own = inspect.signature(command, eval_str=True)
@@ -194,7 +191,9 @@ Seed = Annotated[int, typer.Option(
     help="Engine seed. A row without its own seed samples with a seed derived from this and its id, so its "
     "output does not depend on order, batching or resume.", rich_help_panel=SAMPLING)]
 MaxTokens = Annotated[int, typer.Option(help="Most output tokens per row.", rich_help_panel=SAMPLING)]
-Temperature = Annotated[float, typer.Option(help="0 = greedy.", rich_help_panel=SAMPLING)]
+Temperature = Annotated[float | None, typer.Option(
+    help="0 = greedy. Default: 0 for plain rows; an OpenAI line without its own takes OpenAI's default, 1, unless "
+    "this option is given.", rich_help_panel=SAMPLING)]
 TopP = Annotated[float, typer.Option(help="Nucleus sampling mass, in (0, 1].", rich_help_panel=SAMPLING)]
 TopK = Annotated[int, typer.Option(help="Keep the k likeliest tokens; -1 = all.", rich_help_panel=SAMPLING)]
 MinP = Annotated[float, typer.Option(help="Drop tokens below min_p x the top probability.",
@@ -209,6 +208,24 @@ def fail(message: str) -> typer.Exit:
     """Print a one-line error on stderr and return the usage-error Exit to raise (no traceback)."""
     typer.echo(f"error: {message}", err=True)
     return typer.Exit(ExitCode.USAGE)
+
+
+def model_source(engine: EngineOptions) -> ModelSource | None:
+    """What --model names, from its config before anything loads; None when it cannot be resolved: loading it
+    says why, once the whole-file checks have had their say (with --ray, on the node that loads it: the driver may
+    lack the model). A model shape is a usage error unless asked for with --load-format dummy: it has random
+    weights, which must never pass for a model's answers."""
+    from nanovllm import model_source as describe
+
+    try:
+        source = describe(engine.model, **engine.args())
+    except (ValueError, OSError, ImportError, KeyError):
+        return None
+    if source.preset and engine.load_format != "dummy":
+        raise fail(f"--model {engine.model} is a model shape (random weights, no tokenizer), not a model: add "
+                   "--load-format dummy to run the shape (benchmarks, tests), or name a checkpoint folder, a .gguf "
+                   "file or a Hub id (e.g. Qwen/Qwen3-0.6B)")
+    return source
 
 
 def load_llm(engine: EngineOptions, seed: int | None = None) -> LLM:

@@ -5,13 +5,22 @@ from __future__ import annotations
 
 import fcntl
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from nanovllm_cli.pooling_rows import POOLING_INPUT_COLUMNS, PoolingRowParser
-from nanovllm_cli.readers import iter_rows
+from nanovllm_cli.readers import TABLE_FORMATS, iter_rows, load_dataset_folder
 from nanovllm_cli.records import carried_type, inferred_type, json_kind
-from nanovllm_cli.rows import PLAIN_ROW_KEYS, PROMPT_KEYS, is_openai_row, own_fields, row_fingerprint, row_id
+from nanovllm_cli.rows import (
+    PLAIN_ROW_KEYS,
+    PROMPT_KEYS,
+    is_openai_row,
+    needs_tokenizer,
+    own_fields,
+    row_fingerprint,
+    row_id,
+)
 from nanovllm_cli.writers import Answered, journal_path, work_files
 
 SAMPLE_ROWS = 100  # a JSONL file without one object in its first SAMPLE_ROWS rows is not JSON Lines of rows
@@ -33,6 +42,8 @@ class InputScan:
     parquet_types: dict[str, object] = field(default_factory=dict)
     json_kinds: dict[str, set[str]] = field(default_factory=dict)
     too_many_fields: bool = False  # more than MAX_CARRIED_FIELDS distinct ones (no longer counted)
+    first_text_row: int | None = None  # the number of the first row given as text (which needs a tokenizer)
+    token_budget: int = 0  # the most tokens the rows may generate (scan_input's `token_budget` of each row)
 
     def passthrough(self, own_fields: frozenset[str]) -> tuple[tuple[str, object], ...]:
         """(name, Arrow type) of the carried fields a Parquet OUTPUT gets as columns (not those named as a record's
@@ -46,28 +57,52 @@ class InputScan:
         return [name for name in (self.parquet_types or self.json_kinds) if name in own_fields]
 
 
-def _parquet_schema(path: Path, pooling: bool):
+def _table_schema(path: Path, fmt: str, split: str | None):
+    """The Arrow schema of a Parquet file or a datasets folder."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
-        schema = pq.ParquetFile(path).schema_arrow
+        return pq.ParquetFile(path).schema_arrow if fmt == "parquet" else load_dataset_folder(path, split).data.schema
     except (OSError, ValueError, pa.ArrowException) as exc:
-        raise PreflightError(f"{path} is not a readable Parquet file: {exc}") from None
+        what = "a readable Parquet file" if fmt == "parquet" else "a readable datasets folder"
+        raise PreflightError(f"{path} is not {what}: {exc}") from None
+
+
+def _csv_columns(path: Path) -> list[str]:
+    import csv
+
+    try:
+        with open(path, encoding="utf-8-sig", newline="") as f:
+            return next(csv.reader(f), [])
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        raise PreflightError(f"{path} is not a readable CSV file: {exc}") from None
+
+
+def _check_columns(path: Path, columns: list[str], pooling: bool) -> None:
+    """A table's rows need an input column: without one, every row would fail alike."""
     inputs = {*PROMPT_KEYS, "body", *(POOLING_INPUT_COLUMNS if pooling else ())}
-    if not inputs & set(schema.names):
+    if not inputs & set(columns):
         also = " (nor 'text', 'text_1' or 'query')" if pooling else ""
         raise PreflightError(f"{path} has no 'prompt', 'messages', 'prompt_token_ids' or 'body' column{also} "
-                             f"(its columns: {', '.join(schema.names) or 'none'})")
-    return schema
+                             f"(its columns: {', '.join(columns) or 'none'})")
 
 
-def scan_input(path: Path, fmt: str, pooling: bool = False) -> InputScan:
-    """One pass over INPUT: its rows, their layout and repeated ids. Raises PreflightError when the file as a
-    whole is not what its format says (no single row could be read as a row). `pooling`: the rows of a pooling job,
-    whose input columns count too (pooling_rows.py)."""
-    schema = _parquet_schema(path, pooling) if fmt == "parquet" else None
-    label = "row" if fmt == "parquet" else "line"
+def input_label(fmt: str) -> str:
+    """What a row of this format is called in messages: JSONL counts lines, the others rows."""
+    return "line" if fmt == "jsonl" else "row"
+
+
+def scan_input(path: Path, fmt: str, pooling: bool = False, limit: int | None = None, split: str | None = None,
+               token_budget: Callable[[object], int] | None = None) -> InputScan:
+    """One pass over INPUT (its first `limit` rows): its rows, their layout and repeated ids (and the sum of each
+    row's `token_budget`). Raises PreflightError when the file as a whole is not what its format says (no single
+    row could be read as a row). `pooling`: the rows of a pooling job, whose input columns count too
+    (pooling_rows.py)."""
+    schema = _table_schema(path, fmt, split) if fmt in TABLE_FORMATS else None
+    if schema is not None or fmt == "csv":
+        _check_columns(path, schema.names if schema is not None else _csv_columns(path), pooling)
+    label = input_label(fmt)
     row_keys = PoolingRowParser.plain_row_keys if pooling else PLAIN_ROW_KEYS  # the rest are the rows' own
     first_of: dict[str, int] = {}
     scan = InputScan(rows=0, openai=is_openai_row(dict.fromkeys(schema.names)) if schema else False)
@@ -75,8 +110,12 @@ def scan_input(path: Path, fmt: str, pooling: bool = False) -> InputScan:
         scan.parquet_types = {name: schema.field(name).type for name in own_fields(dict.fromkeys(schema.names), row_keys)}
     seen_object, first_problem = schema is not None, None
     try:
-        for number, value in iter_rows(path, fmt):
+        for number, value in iter_rows(path, fmt, limit, split):
             scan.rows += 1
+            if scan.first_text_row is None and needs_tokenizer(value):
+                scan.first_text_row = number
+            if token_budget is not None:
+                scan.token_budget += token_budget(value)
             if not seen_object:
                 if isinstance(value, dict):
                     seen_object, scan.openai = True, is_openai_row(value)
@@ -169,14 +208,16 @@ def check_output(output: Path, *, resume: bool, overwrite: bool) -> None:
                              "lacks, or --overwrite to replace it")
 
 
-def stale_records(answered: Answered, fingerprints: dict[str, str]) -> set[str]:
-    """Ids of OUTPUT's records whose row changed since (another fingerprint) or is no longer in INPUT."""
+def stale_records(answered: Answered, fingerprints: dict[str, str], partial: bool = False) -> set[str]:
+    """Ids of OUTPUT's records whose row changed since (another fingerprint) or is no longer in INPUT. `partial`:
+    `fingerprints` has only some of INPUT's rows (--limit), so a record without its row there is not stale."""
     return {rid for rid, old in answered.fingerprints.items()
-            if rid not in fingerprints or (old is not None and old != fingerprints[rid])}
+            if (rid not in fingerprints and not partial)
+            or (rid in fingerprints and old is not None and old != fingerprints[rid])}
 
 
-def stale_message(output: Path, answered: Answered, fingerprints: dict[str, str]) -> str:
-    stale = stale_records(answered, fingerprints)
+def stale_message(output: Path, answered: Answered, fingerprints: dict[str, str], partial: bool = False) -> str:
+    stale = stale_records(answered, fingerprints, partial)
     removed = sorted(r for r in stale if r not in fingerprints)
     changed = sorted(r for r in stale if r in fingerprints)
     parts = [f"{len(ids)} {what} (e.g. {ids[0]!r})" for ids, what in (

@@ -113,8 +113,9 @@ class EngineActor:
         retries_before = self.pool.retries()
         stats = RunStats(rows_total=len(numbers) if numbers is not None else part["count"])
         written = RecordList()
-        runner = BatchRunner(self.pool, written, RecordBuilder(s.layout, self.pool.info.model, fingerprints), stats,
-                             window=s.window, reorder=s.reorder, skip_ids=set(), on_step=lambda: self._refresh(stats))
+        records = RecordBuilder(s.layout, self.pool.info.model, fingerprints, self.pool.prompts)
+        runner = BatchRunner(self.pool, written, records, stats, window=s.window, reorder=s.reorder, skip_ids=set(),
+                             on_step=lambda: self._refresh(stats))
         runner.run(rows())
         records, key = written.records, s.layout.id_key
         counts = {name: getattr(stats, name) for name in ("prompt_tokens", "cached_tokens", "completion_tokens")}

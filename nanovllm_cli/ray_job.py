@@ -183,7 +183,8 @@ def run_on_ray(job: RayJob) -> dict:
         check_output(job.output, job.input)
         engine_args = job.engine.args(job.seed)
         chat_template = job.engine.chat_template_text()
-        spec = o.pooling_of(job.engine)  # None where this machine cannot resolve the model: the nodes say why
+        source = o.model_source(job.engine)  # None where this machine cannot resolve the model: the nodes say why
+        spec = source.pooling if source is not None else None
         # The rows' own fields are not carried: a Parquet shard's columns are fixed before its rows are read.
         layout = RecordLayout(openai=first_row_is_openai(files), include_token_ids=job.include_token_ids,
                               task=spec.task if spec else None, drop_columns=True)

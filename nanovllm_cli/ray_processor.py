@@ -83,7 +83,8 @@ class LLMProcessor:
     """A callable class for `map_batches`: each actor builds one engine, `LLM(model, **engine_args)`.
 
     `sampling`: the default sampling fields a row's own override (as `nanovllm run`'s options; greedy with 64
-    tokens when not given); `seed`: the engine seed, from which a row without a seed derives its own (as in
+    tokens when not given, except that an OpenAI line takes OpenAI's default temperature, 1, unless `sampling`
+    names one); `seed`: the engine seed, from which a row without a seed derives its own (as in
     `nanovllm run`); `openai`: the rows are OpenAI batch lines and the records OpenAI batch output;
     `include_token_ids`: add prompt_token_ids and token_ids; `reorder`: prefix-aware admission within a batch;
     `chat_template`: a Jinja chat template (its text) for 'messages' rows instead of the model's. A pooling model's
@@ -96,8 +97,8 @@ class LLMProcessor:
                  chat_template: str | None = None, pooling: dict | None = None):
         from nanovllm import LLM, SamplingParams
 
-        self.defaults = {"max_tokens": 64, "temperature": 0.0, **(sampling or {})}
-        SamplingParams(**self.defaults)  # a bad default fails the actor at once, not every row
+        self.defaults = {"max_tokens": 64, **(sampling or {})}  # the row parser adds the temperatures
+        SamplingParams(**{"temperature": 0.0, **self.defaults})  # a bad default fails the actor at once, not every row
         check_model_on_node(model)
         self.llm = LLM(model, **{**(engine_args or {}), "seed": seed})
         if chat_template is not None:
@@ -123,7 +124,7 @@ class LLMProcessor:
             parsed, fingerprint = self._parse(index, row, anonymous)
             rows.append((parsed, fingerprint))
         written = RecordList()
-        builder = RecordBuilder(self.layout, self.llm.info.model, {row.id: fp for row, fp in rows})
+        builder = RecordBuilder(self.layout, self.llm.info.model, {row.id: fp for row, fp in rows}, self.llm.prompts)
         runner = BatchRunner(EngineFeeder(self.llm), written, builder, RunStats(rows_total=len(rows)),
                              window=max(len(rows), 1), reorder=self.reorder, skip_ids=set(), on_step=lambda: None)
         runner.run(row for row, _ in rows)

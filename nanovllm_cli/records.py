@@ -8,8 +8,11 @@ Plain: {"id", "text", "finish_reason", "prompt_tokens", "completion_tokens", "ca
 `structured_complete` (null for an unconstrained row; in an OpenAI line, in the choice of a constrained one) is
 false when the output was cut before its constraint was complete (max_tokens, a stop string): the text may not
 parse.
-OpenAI: {"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}, where body is a
-chat.completion or text_completion object with "usage", or {"error": {...}} for a failed row.
+OpenAI: {"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"} (the Batch API's output
+and error lines), where body is a chat.completion or text_completion object with "usage" and OpenAI's keys only,
+or {"error": {...}} for a failed row. What nanovllm adds goes into a top-level "nanovllm" object, present when
+there is something to add: "choices": [{"index", "structured_complete", "token_ids"}] (a constrained row's verdict,
+--include-token-ids).
 Both carry "input_fingerprint", the hash of the row they answer, so `--resume` can tell a changed row.
 A pooling job's records (embeddings, probabilities, scores, rewards) are pooling_records.py's.
 
@@ -26,11 +29,11 @@ import datetime
 import json
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal
 
-from nanovllm import CompletionOutput, RequestOutput
+from nanovllm import CompletionOutput, PromptTokenizer, RequestOutput
 from nanovllm_cli import pooling_records
 from nanovllm_cli.choices import choices_fields
 from nanovllm_cli.rows import RowError, RowRequest
@@ -39,7 +42,7 @@ PLAIN_FIELDS = ("id", "text", "finish_reason", "prompt_tokens", "completion_toke
                 "structured_complete", "input_fingerprint")
 TOKEN_ID_FIELDS = ("prompt_token_ids", "token_ids")
 NESTED_FIELDS = ("logprobs", "prompt_logprobs", "completions")  # plain records' fields where a row asked for them
-OPENAI_FIELDS = ("id", "custom_id", "response", "error", "input_fingerprint")
+OPENAI_FIELDS = ("id", "custom_id", "response", "error", "input_fingerprint", "nanovllm")
 
 
 @dataclass(frozen=True)
@@ -169,8 +172,20 @@ def _random_id(prefix: str) -> str:
 @dataclass(frozen=True)
 class RecordBuilder:
     layout: RecordLayout
-    model: str
+    model: str  # the name records give the model (--served-model-name, else the engine's)
     fingerprints: Mapping[str, str] = field(default_factory=dict)  # row id -> its content hash
+    prompts: PromptTokenizer | None = None  # the engine's: echoed token-id prompts and prompt tokens as text
+
+    def _token_text(self, token_id: int) -> str | None:
+        tokenizer = self.prompts.tokenizer if self.prompts is not None else None
+        return None if tokenizer is None else tokenizer.decode([token_id])
+
+    def _prompt_text(self, request: RowRequest, output: RequestOutput) -> str | None:
+        """The prompt as text, for echo: the row's own, or its token ids decoded."""
+        if isinstance(request.payload, str):
+            return request.payload
+        tokenizer = self.prompts.tokenizer if self.prompts is not None else None
+        return None if tokenizer is None else tokenizer.decode(output.prompt_token_ids)
 
     def result(self, request: RowRequest, output: RequestOutput) -> dict:
         if output.error:
@@ -215,6 +230,7 @@ class RecordBuilder:
             return record
         chat = request.endpoint != "completions"
         choices = [self._choice(request, output, c, chat) for c in output.outputs]
+        added = [self._added(output, c) for c in output.outputs]
         completion = sum(len(c.token_ids) for c in output.outputs)
         body = {
             "id": _random_id("chatcmpl-" if chat else "cmpl-"),
@@ -226,9 +242,21 @@ class RecordBuilder:
                       "total_tokens": output.num_prompt_tokens + completion,
                       "prompt_tokens_details": {"cached_tokens": output.num_cached_tokens}},
         }
-        return {"id": _random_id("batch_req_"), "custom_id": request.id,
-                "response": {"status_code": 200, "request_id": _random_id("req_"), "body": body}, "error": None,
-                "input_fingerprint": self.fingerprints.get(request.id)}
+        record = {"id": _random_id("batch_req_"), "custom_id": request.id,
+                  "response": {"status_code": 200, "request_id": _random_id("req_"), "body": body}, "error": None,
+                  "input_fingerprint": self.fingerprints.get(request.id)}
+        if any(len(a) > 1 for a in added):
+            record["nanovllm"] = {"choices": added}
+        return record
+
+    def _added(self, output: RequestOutput, c: CompletionOutput) -> dict:
+        """What nanovllm adds to an OpenAI choice, kept out of OpenAI's body."""
+        added = {"index": c.index}
+        if output.structured_complete is not None:
+            added["structured_complete"] = output.structured_complete
+        if self.layout.include_token_ids:
+            added["token_ids"] = c.token_ids
+        return added
 
     def _pooling_result(self, request: RowRequest, output) -> dict:
         fingerprint = self.fingerprints.get(request.id)
@@ -252,19 +280,19 @@ class RecordBuilder:
                 choice["logprobs"] = {"content": [_chat_position(token_id, p, request.params.logprobs)
                                                   for token_id, p in zip(c.token_ids, c.logprobs)]}
         else:
-            text = c.text
-            if request.echo and isinstance(request.payload, str):  # a token-id prompt has no text to echo
-                text = request.payload + (text or "")
-            choice["text"] = text
+            prompt_text = self._prompt_text(request, output)
+            choice["text"] = (prompt_text or "") + (c.text or "") if request.echo else c.text
             if c.logprobs is not None:
-                positions = list(zip(c.token_ids, c.logprobs))
+                # Offsets count from the prompt's start (OpenAI's text_offset): the completion's first token is at
+                # the prompt's length, echoed or not; echoed prompt tokens from 0.
+                prompt = None
                 if request.echo and output.prompt_logprobs is not None:
-                    positions = list(zip(output.prompt_token_ids, output.prompt_logprobs)) + positions
-                choice["logprobs"] = _completions_logprobs(positions, request.params.logprobs)
-        if output.structured_complete is not None:
-            choice["structured_complete"] = output.structured_complete
-        if self.layout.include_token_ids:
-            choice["token_ids"] = c.token_ids
+                    prompt = _completions_logprobs(list(zip(output.prompt_token_ids, output.prompt_logprobs)),
+                                                   request.params.logprobs, 0, self._token_text)
+                start = len(prompt_text) if prompt_text is not None else _end_offset(prompt) if prompt else 0
+                logprobs = _completions_logprobs(list(zip(c.token_ids, c.logprobs)), request.params.logprobs, start,
+                                                 self._token_text)
+                choice["logprobs"] = logprobs if prompt is None else {k: prompt[k] + logprobs[k] for k in logprobs}
         return choice
 
     def error(self, error: RowError, prompt_tokens: int = 0, status_code: int = 400) -> dict:
@@ -320,14 +348,22 @@ def _chat_position(token_id: int, position: dict, num_top: int) -> dict:
                              for _, lp in top]}
 
 
-def _completions_logprobs(positions: list[tuple[int, dict | None]], num_top: int) -> dict:
+def _end_offset(logprobs: dict) -> int:
+    """The offset just after the last token of a completions logprobs object."""
+    if not logprobs["tokens"]:
+        return 0
+    return logprobs["text_offset"][-1] + len(logprobs["tokens"][-1] or "")
+
+
+def _completions_logprobs(positions: list[tuple[int, dict | None]], num_top: int, offset: int,
+                          token_text: Callable[[int], str | None]) -> dict:
     """OpenAI completions shape: parallel lists tokens, token_logprobs, top_logprobs ({token: logprob}) and
-    text_offset; an echoed first prompt token has null logprobs."""
+    text_offset (from `offset`, each token's text after the one before); an echoed first prompt token has its text
+    and null logprobs."""
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
-    offset = 0
     for token_id, position in positions:
         if position is None:
-            tokens.append(None)
+            tokens.append(token_text(token_id))
             token_logprobs.append(None)
             top_logprobs.append(None)
         else:

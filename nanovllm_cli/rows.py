@@ -39,6 +39,9 @@ OPENAI_SAMPLING_KEYS = {"max_tokens": "max_tokens", "max_completion_tokens": "ma
 # Every other body key a line may carry, per endpoint; anything else is rejected by name (never ignored).
 OPENAI_OTHER_KEYS = {"chat": {"messages", "logprobs", "top_logprobs", "chat_template_kwargs", "response_format"},
                      "completions": {"prompt", "logprobs", "echo", "best_of", "response_format"}}
+# OpenAI's defaults where they differ from the command line's: an OpenAI line replays with OpenAI's semantics (n: 2
+# gives two samples) unless the user set the field on the command line.
+OPENAI_DEFAULTS = {"temperature": 1.0}
 PLAIN_ROW_KEYS = frozenset({"id", *PROMPT_KEYS, "sampling_params", "chat_template_kwargs", "lora", "choices",
                             *SAMPLING_FIELDS})
 OPENAI_ROW_KEYS = frozenset({"custom_id", "method", "url", "body"})
@@ -83,6 +86,25 @@ class RowProblem(ValueError):
 
 def is_openai_row(value: object) -> bool:
     return isinstance(value, dict) and ("custom_id" in value or "body" in value)
+
+
+# Fields of a row (plain, or a pooling job's: pooling_rows.py) or of an OpenAI body that hold text to tokenize.
+TEXT_FIELDS = ("prompt", "messages", "choices", "text", "text_1", "text_2", "query", "documents", "input")
+
+
+def needs_tokenizer(row: object) -> bool:
+    """Whether a row gives text (not only token ids): it cannot run on a model without a tokenizer."""
+    if not isinstance(row, dict):
+        return False
+    fields = row.get("body") if is_openai_row(row) else row
+    if not isinstance(fields, dict):
+        return False
+    for name in TEXT_FIELDS:
+        value = fields.get(name)
+        if isinstance(value, str) or (isinstance(value, list) and value and not all(
+                isinstance(v, int) or (isinstance(v, list) and all(isinstance(t, int) for t in v)) for v in value)):
+            return True
+    return False
 
 
 def derive_seed(base_seed: int, row_id: str) -> int:
@@ -300,7 +322,8 @@ def _openai_fields(row: dict) -> tuple[str, object, dict, dict]:
     if any(problems):
         raise RowProblem("; ".join(p for p in problems if p))
     extra = _template_kwargs(body, "body.") if endpoint == "chat" else {}  # first, as for a plain row
-    kind = "messages" if endpoint == "chat" else "token_ids" if isinstance(body[key], list) else "prompt"
+    prompt = body[key] if endpoint == "chat" else _single_prompt(body[key])
+    kind = "messages" if endpoint == "chat" else "token_ids" if isinstance(prompt, list) else "prompt"
     overrides = {name: body[key_] for key_, name in OPENAI_SAMPLING_KEYS.items() if body.get(key_) is not None}
     if body.get("response_format") is not None:
         try:
@@ -310,7 +333,22 @@ def _openai_fields(row: dict) -> tuple[str, object, dict, dict]:
     overrides.update(_openai_logprobs(endpoint, body))
     if "echo" in overrides:
         extra["echo"] = overrides.pop("echo")
-    return kind, _checked_payload(kind, body[key], f"body.{key}"), overrides, extra
+    return kind, _checked_payload(kind, prompt, f"body.{key}"), overrides, extra
+
+
+def _single_prompt(prompt: object) -> object:
+    """/v1/completions' `prompt`: a string, token ids, or an array of one of either (OpenAI's forms). Several
+    prompts in one line are refused: OpenAI answers them as one response of len(prompt) x n choices, which would
+    give several prompts one record, one resume entry and one error between them."""
+    if not isinstance(prompt, list) or not prompt or all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return prompt  # a string or token ids (_checked_payload says what else is wrong)
+    if all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
+        if len(prompt) == 1:
+            return prompt[0]
+        raise RowProblem(f"body.prompt holds {len(prompt)} prompts: nanovllm answers one prompt per line (OpenAI would "
+                         "answer them together, as choices of one response); put each prompt on a line of its own, with "
+                         "its own custom_id")
+    raise RowProblem("body.prompt must be a string, an array of token ids, or an array of one of either")
 
 
 class RowParser:
@@ -322,7 +360,10 @@ class RowParser:
 
     def __init__(self, sampling_defaults: dict, base_seed: int, label: str, source: str | None = None,
                  lora: LoRAModules | None = None):
-        self.defaults = sampling_defaults
+        # `sampling_defaults`: the sampling fields the user gave (the command line's). A plain row is greedy
+        # unless they say otherwise; an OpenAI line takes OpenAI's default for a field they do not give.
+        self.defaults = {"temperature": 0.0, **sampling_defaults}
+        self.openai_defaults = {k: v for k, v in OPENAI_DEFAULTS.items() if k not in sampling_defaults}
         self.lora = lora  # the job's --lora-modules (None: none, and an OpenAI line's model is not looked at)
         self.base_seed = base_seed
         self.label = f"{source} {label}" if source else label  # "line" or "row"
@@ -363,7 +404,7 @@ class RowParser:
         kind, payload, overrides, extra = _openai_fields(row) if openai else _plain_fields(row)
         if not openai and row.get("choices") is not None:  # scored, not generated (choices.py)
             extra["choices"] = _checked_choices(row["choices"], overrides)
-        params = self._params(overrides, row_id)
+        params = self._params({**self.openai_defaults, **overrides} if openai else overrides, row_id)
         return RowRequest(row_id, where, kind, payload, params, endpoint, **extra,
                           lora_request=self._lora_request(row, openai), extra=passed)
 

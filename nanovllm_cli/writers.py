@@ -20,6 +20,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TextIO
 
 import xxhash
 
@@ -283,7 +284,55 @@ class ParquetWriter:
         self.journal.path.unlink()
 
 
-Writer = JsonlWriter | ParquetWriter
+class StreamWriter:
+    """JSONL records on a stream (stdout for `-o -`), each flushed as it is written; nothing to resume."""
+
+    def __init__(self, stream: TextIO):
+        self.stream = stream
+        self.records_kept = 0
+
+    def write(self, record: dict) -> None:
+        try:
+            self.stream.write(record_line(record))
+            self.stream.flush()
+        except OSError as exc:  # a closed pipe (`| head`), a full disk
+            raise OutputWriteError(f"cannot write the records to stdout: {exc.strerror or exc}") from None
+        self.records_kept += 1
+
+    def sync_if_due(self) -> None:
+        """Each record is flushed as it is written; a stream cannot be synced."""
+
+    def close(self) -> None:
+        """The stream is the caller's."""
+
+
+class SplitWriter:
+    """The records of failed rows into `errors` (the Batch API's error file, `--error-file`), the others into
+    `results`. A record is a failed row's when its "error" is set, as `resume_ids` reads it."""
+
+    def __init__(self, results: Writer, errors: Writer):
+        self.results = results
+        self.errors = errors
+
+    @property
+    def records_kept(self) -> int:
+        return self.results.records_kept + self.errors.records_kept
+
+    def write(self, record: dict) -> None:
+        (self.results if record.get("error") is None else self.errors).write(record)
+
+    def sync_if_due(self) -> None:
+        self.results.sync_if_due()
+        self.errors.sync_if_due()
+
+    def close(self) -> None:
+        try:
+            self.results.close()
+        finally:
+            self.errors.close()
+
+
+Writer = JsonlWriter | ParquetWriter | StreamWriter | SplitWriter
 
 
 def is_parquet(path: Path) -> bool:

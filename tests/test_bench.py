@@ -88,13 +88,13 @@ def test_bad_options_are_usage_errors():
         (["--plot", "out.svg"], "must end in .png or .html"),
         (["--plot", "no/such/dir/out.png"], "create it first"),
     ]:
-        result = bench("--model", "tiny-qwen3", *args)
+        result = bench("--model", "tiny-qwen3", "--load-format", "dummy", *args)
         assert result.exit_code == 2 and message in result.output, (args, result.output)
 
 
 def test_missing_matplotlib_is_named(monkeypatch, tmp_path):
     monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)
-    result = bench("--model", "tiny-qwen3", "--plot", tmp_path / "out.png")
+    result = bench("--model", "tiny-qwen3", "--load-format", "dummy", "--plot", tmp_path / "out.png")
     assert result.exit_code == 2 and "pip install 'nanovllm[plot]'" in result.output
 
 
@@ -234,7 +234,7 @@ def test_sampling_options_reach_the_requests():
 
 
 def test_bad_sampling_option_is_a_usage_error():
-    result = bench("--model", "tiny-qwen3", "--logprobs", 99)
+    result = bench("--model", "tiny-qwen3", "--load-format", "dummy", "--logprobs", 99)
     assert result.exit_code == 2 and "--logprobs" in result.output
 
 

@@ -20,6 +20,7 @@ from nanovllm_cli.placement import PlacementError, plan_replicas
 
 NANOVLLM = Path(sys.executable).parent / "nanovllm"
 SAMPLE = Path(__file__).resolve().parent.parent / "samples" / "prompts.jsonl"
+SHAPE = ["--model", "tiny-qwen3", "--load-format", "dummy"]  # a model shape: random weights, token ids only
 
 
 def invoke(*args):
@@ -77,7 +78,7 @@ def test_two_replicas_give_the_records_of_one_and_a_prefix_group_meets_on_one_re
     rows = [{"id": f"u{i}", "prompt_token_ids": [i % 500 + 1] * (3 + i % 7)} for i in range(12)]
     rows += shared_prefix_rows(groups=2, per_group=4)  # two groups of 4 rows sharing a 32-token (2-block) prefix
     path = write_jsonl(tmp_path / "in.jsonl", rows)
-    (one, by_id), (two, by_id_dp), stderr = run_both(tmp_path, path, "--model", "tiny-qwen3", "--max-tokens", 5,
+    (one, by_id), (two, by_id_dp), stderr = run_both(tmp_path, path, *SHAPE, "--max-tokens", 5,
                                                      "--include-token-ids")
     assert by_id_dp == by_id and len(by_id) == len(rows)  # the same records, cached_tokens included
     # Every follower hit its group's whole prefix: the group's rows ran on one replica, its leader first.
@@ -137,8 +138,8 @@ def test_a_killed_replica_is_restarted_and_every_row_is_answered_once(tmp_path):
     path = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt_token_ids": [i % 500 + 1] * (3 + i % 7)}
                                                for i in range(n)])
     out, metrics = tmp_path / "out.jsonl", tmp_path / "metrics.jsonl"
-    proc = subprocess.Popen([str(NANOVLLM), "run", str(path), "-o", str(out), "--model", "tiny-qwen3", "--max-tokens",
-                             "12", "--ignore-eos", "--data-parallel-size", "2", "--max-num-seqs", "2", "-q", "--json",
+    proc = subprocess.Popen([str(NANOVLLM), "run", str(path), "-o", str(out), *SHAPE, "--max-tokens", "12",
+                             "--ignore-eos", "--data-parallel-size", "2", "--max-num-seqs", "2", "-q", "--json",
                              "--metrics-file", str(metrics), "--metrics-interval", "0.2"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
@@ -200,7 +201,7 @@ def test_a_row_that_kills_two_replicas_gets_an_error_record_and_the_others_finis
     rows = [{"id": f"r{i}", "prompt_token_ids": [i + 1] * (3 + i % 5)} for i in range(16)]
     rows.insert(5, {"id": "poison", "prompt_token_ids": [7, POISON, 7]})
     path, out = write_jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl"
-    result = invoke("run", path, "-o", out, "--model", "tiny-qwen3", "--max-tokens", 6, "--ignore-eos",
+    result = invoke("run", path, "-o", out, *SHAPE, "--max-tokens", 6, "--ignore-eos",
                     "--data-parallel-size", 2, "--max-num-seqs", 2, "--json", "-q")
     assert result.exit_code == 1, result.stderr  # the poison row's error record
     summary = json.loads(result.stdout)
@@ -216,7 +217,7 @@ def test_a_row_that_kills_two_replicas_gets_an_error_record_and_the_others_finis
 
 
 def test_bench_spreads_the_workload_over_replicas(tmp_path):
-    result = invoke("bench", "--model", "tiny-qwen3", "--num-seqs", 12, "--input-len-range", 8, 24,
+    result = invoke("bench", *SHAPE, "--num-seqs", 12, "--input-len-range", 8, 24,
                     "--output-len-range", 2, 6, "--data-parallel-size", 2, "--json")
     assert result.exit_code == 0, result.stderr
     report = json.loads(result.stdout)
@@ -252,11 +253,11 @@ def test_placement_on_gpus():
 
 def test_data_parallel_usage_errors_exit_2(tmp_path):
     path = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt_token_ids": [1, 2]}])
-    result = invoke("run", path, "--model", "tiny-qwen3", "--data-parallel-size", 0)
+    result = invoke("run", path, *SHAPE, "--data-parallel-size", 0)
     assert result.exit_code == 2 and "--data-parallel-size must be at least 1, not 0" in result.stderr
     result = invoke("run", path, "--model", "no-such-model", "--data-parallel-size", 2)
     assert result.exit_code == 2 and "cannot load the model" in result.stderr
-    result = invoke("bench", "--model", "tiny-qwen3", "--data-parallel-size", 2, "--structured", "json-schema",
+    result = invoke("bench", *SHAPE, "--data-parallel-size", 2, "--structured", "json-schema",
                     "--schema", path)
     assert result.exit_code == 2 and "drop --data-parallel-size" in result.stderr
 

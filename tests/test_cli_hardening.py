@@ -353,19 +353,25 @@ def test_every_record_is_one_line_for_any_line_splitter(tmp_path):
 
 def test_progress_counts_tokens_generated_before_any_row_finishes():
     from nanovllm_cli.job import BatchRunner, EngineFeeder, RunStats
+    from nanovllm_cli.progress import RecentRates, TokenBudget
     from nanovllm_cli.run_cmd import snapshot
 
     llm = LLM("tiny-qwen3", load_format="dummy", max_model_len=128, num_kv_blocks=32)
+    rates = RecentRates()
+    rates.update(0, 0)  # the job's start
+    budget = TokenBudget(total=50, id_key="id", skip_ids=set(), default_max_tokens=64)
+    list(budget.rows([(1, {"id": "a", "max_tokens": 50})]))
     llm.add_request([1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True))
     for _ in range(6):
         llm.step()
     stats = RunStats(rows_total=1)
     runner = BatchRunner(EngineFeeder(llm), None, None, stats, window=1, reorder=False, skip_ids=set(),
                          on_step=lambda: None)
-    snap = snapshot(stats, llm, runner, 50)
+    snap = snapshot(stats, llm, runner, budget, rates)
     # 1 prefill step + 5 decode steps sampled 6 tokens; the counter leaves out the in-flight row's first one
     assert stats.rows_done == 0 and llm.report()["tokens"]["generated"] == 5
-    assert snap.output_tok_s > 0 and snap.prefill_tok_s > 0 and snap.eta_s is None  # no row finished yet
+    assert snap.output_tok_s > 0 and snap.prefill_tok_s > 0
+    assert snap.eta_s is None and snap.eta_bound_s == pytest.approx(45 / snap.output_tok_s)  # no row finished yet
 
 
 def test_eta_moves_while_long_rows_generate_and_is_bounded_by_each_rows_max_tokens():

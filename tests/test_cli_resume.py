@@ -16,7 +16,7 @@ from nanovllm_cli.main import app
 from nanovllm_cli.records import RecordLayout
 
 NANOVLLM = Path(sys.executable).parent / "nanovllm"
-ENGINE_ARGS = ["--model", "tiny-qwen3", "--max-tokens", "6", "--ignore-eos"]
+ENGINE_ARGS = ["--model", "tiny-qwen3", "--load-format", "dummy", "--max-tokens", "6", "--ignore-eos"]
 
 
 def write_rows(path, n):

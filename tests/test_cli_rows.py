@@ -125,8 +125,9 @@ def test_parquet_reader_drops_nulls_of_absent_fields(tmp_path):
 def test_detect_format(tmp_path):
     assert detect_format(tmp_path / "a.jsonl", None) == "jsonl"
     assert detect_format(tmp_path / "a.PARQUET", None) == "parquet"
+    assert detect_format(tmp_path / "a.csv", None) == "csv"
     assert detect_format(tmp_path / "a.txt", "jsonl") == "jsonl"
-    for path, override in ((tmp_path / "a.txt", None), (tmp_path / "a.jsonl", "csv")):
+    for path, override in ((tmp_path / "a.txt", None), (tmp_path / "a.jsonl", "xml")):
         with pytest.raises(ValueError, match="input-format"):
             detect_format(path, override)
 

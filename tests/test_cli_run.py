@@ -105,6 +105,28 @@ def test_help_and_version():
     assert version.exit_code == 0 and version.stdout.strip().startswith("nanovllm 0.")
 
 
+def test_help_has_no_type_on_flags_and_completion_completes_commands_and_options():
+    for command in ([], ["run"], ["bench"], ["inspect-cache"]):
+        text = invoke(*command, "--help").stdout
+        assert "<bool>" not in text and "--help" in text, command  # a flag takes no value
+    assert "--install-completion" in invoke("--help").stdout
+    for words, word, expected in (("nanovllm ru", 1, "run"), ("nanovllm run in.jsonl --orde", 3, "--ordered"),
+                                  ("nanovllm run in.jsonl --no-enable", 3, "--no-enable-prefix-caching")):
+        completed = CliRunner().invoke(app, [], prog_name="nanovllm", env={
+            "_NANOVLLM_COMPLETE": "complete_bash", "COMP_WORDS": words, "COMP_CWORD": str(word)})
+        assert completed.stdout.split() == [expected], words
+
+
+def test_python_dash_m_nanovllm_runs_the_command_line_and_import_does_not():
+    import subprocess
+    import sys
+
+    version = subprocess.run([sys.executable, "-m", "nanovllm", "--version"], capture_output=True, text=True)
+    assert version.returncode == 0 and version.stdout.startswith("nanovllm 0."), version.stderr
+    probe = "import sys, nanovllm; print('nanovllm_cli' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip() == "False"
+
+
 def test_every_row_form_matches_the_python_api(text_model, expected, tmp_path):
     out = tmp_path / "out.jsonl"
     result = run_rows(text_model, write_jsonl(tmp_path / "in.jsonl", ROWS), out)
@@ -138,9 +160,8 @@ def test_parquet_in_and_out(text_model, expected, tmp_path):
 def openai_lines():
     lines = []
     for number, row in enumerate(ROWS, 1):
-        body = {"max_tokens": row.get("max_tokens", MAX_TOKENS), **row.get("sampling_params", {})}
-        if "temperature" in row:
-            body["temperature"] = row["temperature"]
+        body = {"max_tokens": row.get("max_tokens", MAX_TOKENS), "temperature": row.get("temperature", 0.0),
+                **row.get("sampling_params", {})}
         if "messages" in row:
             url, body["messages"] = "/v1/chat/completions", row["messages"]
         else:
@@ -158,8 +179,8 @@ def test_openai_batch_round_trip(text_model, expected, tmp_path, suffix):
     assert result.exit_code == 1, result.stderr
     records = read_records(out, "custom_id")
     if suffix == ".parquet":  # nested objects are JSON text in Parquet
-        records = {k: {**r, "response": json.loads(r["response"]),
-                       "error": r["error"] and json.loads(r["error"])} for k, r in records.items()}
+        records = {k: {**r, "response": json.loads(r["response"]), "error": r["error"] and json.loads(r["error"]),
+                       "nanovllm": r["nanovllm"] and json.loads(r["nanovllm"])} for k, r in records.items()}
     assert set(records) == {*expected, "bad"}
     for custom_id, out in expected.items():
         record = records[custom_id]
@@ -170,7 +191,8 @@ def test_openai_batch_round_trip(text_model, expected, tmp_path, suffix):
         chat = custom_id.startswith("chat-")
         assert body["object"] == ("chat.completion" if chat else "text_completion")
         assert (choice["message"]["content"] if chat else choice["text"]) == out.text
-        assert choice["finish_reason"] == out.finish_reason and choice["token_ids"] == out.token_ids
+        assert choice["finish_reason"] == out.finish_reason and "token_ids" not in choice  # OpenAI's keys only
+        assert record["nanovllm"]["choices"] == [{"index": 0, "token_ids": out.token_ids}]
         usage = body["usage"]
         assert (usage["prompt_tokens"], usage["completion_tokens"]) == (out.num_prompt_tokens, len(out.token_ids))
         assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
@@ -190,9 +212,9 @@ BAD_ROWS = [
     ({"id": "bad-ids", "prompt_token_ids": [1, "x"]}, "array of integer token ids"),
     ({"id": "bad-temperature", "prompt_token_ids": [1, 2], "temperature": -1}, "invalid sampling parameters"),
     ({"id": "too-long", "prompt_token_ids": [7] * 40}, "max_model_len is 32"),
-    ({"id": "text", "prompt": "needs a tokenizer"}, "has no tokenizer"),
-    ({"id": "chat", "messages": [{"role": "user", "content": "hi"}]}, "has no chat template"),
     ({"id": "vocab", "prompt_token_ids": [1, 10**6]}, "outside the vocabulary"),
+    ({"id": "several", "custom_id": "several", "url": "/v1/completions", "body": {"prompt": [[1], [2]]}},
+     "holds 2 prompts"),
     ({"id": "nan", "prompt_token_ids": [1, 2], "temperature": float("nan")}, "temperature=nan: must be a finite"),
     ({"id": "seed", "prompt_token_ids": [1, 2], "seed": 2**63}, "seed=9223372036854775808: must be an integer in"),
     ({"id": "top-k", "prompt_token_ids": [1, 2], "top_k": 2**63}, "top_k=9223372036854775808"),
@@ -205,13 +227,13 @@ BAD_ROWS = [
 ]
 
 
-def test_bad_rows_get_error_records_and_every_good_row_runs(tmp_path):
+def test_bad_rows_get_error_records_and_every_good_row_runs(text_model, tmp_path):
     good = [{"id": f"good-{i}", "prompt_token_ids": [i + 1] * (i + 2)} for i in range(4)]
     lines = [good[0], good[1], *(row for row, _ in BAD_ROWS[:6]), "", good[2], *(row for row, _ in BAD_ROWS[6:]),
              good[3]]
     path = write_jsonl(tmp_path / "in.jsonl", lines)
     out = tmp_path / "out.jsonl"
-    result = invoke("run", path, "-o", out, "--model", "tiny-qwen3", "--max-model-len", 32, "--max-tokens", 4,
+    result = invoke("run", path, "-o", out, "--model", text_model, "--max-model-len", 32, "--max-tokens", 4,
                     "--ignore-eos")
     assert result.exit_code == 1
     records = [json.loads(line) for line in out.read_text().splitlines()]
@@ -233,7 +255,7 @@ def test_bad_rows_get_error_records_and_every_good_row_runs(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["{tmp}/missing.jsonl"], "does not exist"),
     (["{tmp}"], "a directory or a glob needs --ray"),
-    (["{input}", "--input-format", "csv"], "input-format"),
+    (["{input}", "--input-format", "xml"], "input-format"),
     (["{input}", "-o", "{tmp}/out.txt"], "must end in .jsonl or .parquet"),
     (["{input}", "-o", "{input}"], "must not be INPUT"),
     (["{input}", "--temperature", "-1"], "invalid sampling option"),
@@ -245,14 +267,14 @@ def test_bad_rows_get_error_records_and_every_good_row_runs(tmp_path):
 def test_usage_errors_exit_2_without_traceback(tmp_path, args, message):
     path = write_jsonl(tmp_path / "in.jsonl", [{"prompt_token_ids": [1, 2]}])
     args = [a.format(tmp=tmp_path, input=path) for a in args]
-    result = invoke("run", *args, *([] if "--model" in args else ["--model", "tiny-qwen3"]))
+    result = invoke("run", *args, *([] if "--model" in args else ["--model", "tiny-qwen3", "--load-format", "dummy"]))
     assert result.exit_code == 2
     assert message in result.stderr
 
 
 def test_json_summary_is_one_object_on_stdout(tmp_path):
     path = write_jsonl(tmp_path / "in.jsonl", [{"prompt_token_ids": [1, 2, 3]}, {"prompt": 5}])
-    result = invoke("run", path, "--model", "tiny-qwen3", "--max-tokens", 2, "--ignore-eos", "--json")
+    result = invoke("run", path, "--model", "tiny-qwen3", "--load-format", "dummy", "--max-tokens", 2, "--ignore-eos", "--json")
     assert result.exit_code == 1
     summary = json.loads(result.stdout)  # the whole of stdout
     assert result.stdout.strip().count("\n") == 0

@@ -24,6 +24,7 @@ LAYERS = {
     "nanovllm.runner": 7, "nanovllm.engine": 7,
     "nanovllm": 8,  # the package itself: the public API
     "nanovllm_cli": 9,
+    "nanovllm.__main__": 10,  # `python -m nanovllm`: runs the command line, imported by nothing
 }
 COMPOSITION_ROOTS = {("nanovllm.engine.llm_engine", "nanovllm.runner")}
 

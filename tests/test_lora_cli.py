@@ -119,15 +119,16 @@ def test_openai_lines_name_adapters_by_model(text_model, adapters, tmp_path):
              for i, prompt in enumerate(PROMPTS[:2]) for model in ("tone", text_model, "unknown")]
     path = write_jsonl(tmp_path / "in.jsonl", lines)
     result = invoke("run", path, "-o", tmp_path / "out.jsonl", "--model", text_model, "--max-model-len", 128,
-                    "--max-tokens", 6, "--include-token-ids", "-q", "--lora-modules", f"tone={adapters['tone']}")
+                    "--max-tokens", 6, "--temperature", 0, "--include-token-ids", "-q",
+                    "--lora-modules", f"tone={adapters['tone']}")
     assert result.exit_code == 1, result.stderr  # the unknown model's rows
     records = read_records(tmp_path / "out.jsonl", "custom_id")
     for i in range(2):
         tone, base = records[f"tone-{i}"]["response"]["body"], records[f"{text_model}-{i}"]["response"]["body"]
         assert (tone["model"], base["model"]) == ("tone", Path(text_model).name)  # the adapter's, the engine's
         assert "is neither the base model" in records[f"unknown-{i}"]["error"]["message"]
-    assert any(records[f"tone-{i}"]["response"]["body"]["choices"][0]["token_ids"]
-               != records[f"{text_model}-{i}"]["response"]["body"]["choices"][0]["token_ids"] for i in range(2))
+    assert any(records[f"tone-{i}"]["nanovllm"]["choices"][0]["token_ids"]  # greedy: the adapter made them differ
+               != records[f"{text_model}-{i}"]["nanovllm"]["choices"][0]["token_ids"] for i in range(2))
 
 
 @pytest.mark.parametrize("family", ["tiny-qwen3", "phi3"])

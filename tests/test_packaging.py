@@ -1,4 +1,6 @@
-"""`core/` must install as `nanovllm` and `kernels/` as `nanovllm.kernels`: never a top-level `core` or `kernels`."""
+"""`core/` must install as `nanovllm` and `kernels/` as `nanovllm.kernels`: never a top-level `core` or `kernels`.
+The dependencies co-install with transformers 4.56+ and 5, and an object-store URL names the extra that reads it."""
+import importlib.metadata
 import os
 import subprocess
 import sys
@@ -6,7 +8,12 @@ import sysconfig
 import venv
 from pathlib import Path
 
+import fsspec
 import pytest
+import tomllib
+from fsspec.registry import known_implementations
+from packaging.requirements import Requirement
+from typer.testing import CliRunner
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,3 +50,34 @@ def test_editable_install_maps_only_the_project_packages(tmp_path):
     core_missing, kernels_missing, location = out.stdout.split()
     assert core_missing == "True" and kernels_missing == "True"
     assert Path(location).parent == ROOT / "core"
+
+
+def _project():
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+
+def test_hub_bound_admits_transformers_4_and_5():
+    """transformers 4.56 asks huggingface-hub>=0.34,<1.0, transformers 5 a hub of 1.x or later: ours admits both."""
+    ours = next(r for r in map(Requirement, _project()["dependencies"]) if r.name == "huggingface-hub").specifier
+    assert ours.contains("0.34.0") and ours.contains("0.36.0")
+    installed = next(r for r in map(Requirement, importlib.metadata.requires("transformers"))
+                     if r.name == "huggingface-hub" and r.marker is None)
+    assert ours.contains(importlib.metadata.version("huggingface-hub")) and installed.specifier.contains(
+        importlib.metadata.version("huggingface-hub"))
+
+
+def test_object_store_urls_name_the_extra_that_reads_them(monkeypatch, tmp_path):
+    ray_extra = {Requirement(r).name for r in _project()["optional-dependencies"]["ray"]}
+    for protocol in ("s3", "gs"):  # the filesystem package fsspec loads for each is in the [ray] extra
+        assert known_implementations[protocol]["class"].split(".")[0] in ray_extra, protocol
+
+    def missing(url, **kwargs):
+        raise ImportError("Install s3fs to access S3")
+
+    monkeypatch.setattr(fsspec.core, "url_to_fs", missing)
+    from nanovllm_cli.main import app
+
+    result = CliRunner().invoke(app, ["run", "s3://bucket/rows.jsonl", "-o", str(tmp_path / "out.jsonl")])
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.stderr  # one line
+    assert "cannot open s3://bucket/rows.jsonl: Install s3fs" in result.stderr
+    assert "pip install 'nanovllm[ray]' brings s3fs and gcsfs" in result.stderr

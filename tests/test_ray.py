@@ -282,7 +282,7 @@ def test_resume_cuts_what_no_manifest_commits_and_keeps_one_manifest_per_row():
 # ---- jobs that survive ---------------------------------------------------------------------------------------------
 
 TOKEN_ROWS = [{"id": f"t{i}", "prompt_token_ids": [i % 400 + 1] * (3 + i % 5)} for i in range(24)]
-TINY = ["--model", "tiny-qwen3", "--max-tokens", 6, "--ignore-eos"]
+TINY = ["--model", "tiny-qwen3", "--load-format", "dummy", "--max-tokens", 6, "--ignore-eos"]
 
 
 def shard_records(out):
@@ -440,8 +440,8 @@ def test_a_killed_engine_actor_and_a_killed_engine_cost_no_row(cluster, tmp_path
 
     killer = threading.Thread(target=kill_two)
     killer.start()
-    result = invoke("run", path, "--ray", "--ray-replicas", 2, "-o", out, "--model", "tiny-qwen3", "--max-tokens", 16,
-                    "--ignore-eos", "--max-num-seqs", 2, "--window", 4, "--metrics-file", metrics,
+    result = invoke("run", path, "--ray", "--ray-replicas", 2, "-o", out, "--model", "tiny-qwen3", "--load-format", "dummy",
+                    "--max-tokens", 16, "--ignore-eos", "--max-num-seqs", 2, "--window", 4, "--metrics-file", metrics,
                     "--metrics-interval", 0.2, "--json", "-q")
     killer.join()
     assert result.exit_code == 0 and len(killed) == 2, (killed, result.stderr)

@@ -42,7 +42,7 @@ def plan_kv_cache(model: str | None = None, num_blocks: int | None = None, **eng
     CPU budget's, on a GPU memory x gpu_memory_utilization - weights (activations not counted: an upper bound).
     Raises ValueError / OSError for bad arguments or a model that cannot be resolved."""
     config = EngineConfig.from_kwargs(**{"load_format": "dummy", **engine_args})
-    resolved = resolve_model(model, config.load_format, config.revision)
+    resolved = resolve_model(model, config.load_format, config.revision, config.tokenizer)
     hf = resolved.hf_config
     limit = hf.max_position_embeddings
     device = config.resolve_device()
@@ -73,8 +73,26 @@ def pooling_spec(model: str | None = None, **engine_args) -> PoolingSpec | None:
     generate; from the model's config and sentence-transformers files alone. Raises ValueError / OSError for bad
     arguments, a model that cannot be resolved, or a task it cannot run."""
     config = EngineConfig.from_kwargs(**{"load_format": "dummy", **engine_args})
-    resolved = resolve_model(model, config.load_format, config.revision)
+    resolved = resolve_model(model, config.load_format, config.revision, config.tokenizer)
     return resolve_task(resolved.hf_config, resolved.directory, config.runner, config.task)
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """What `LLM(model, **engine_args)` would run, known before anything loads."""
+
+    name: str
+    preset: bool  # a model shape (random weights only, no tokenizer of its own): load_format="dummy" runs it
+    has_tokenizer: bool  # its own, or the one `tokenizer` names: without one, only token ids go in and out
+    pooling: PoolingSpec | None  # as `pooling_spec` says
+
+
+def model_source(model: str | None = None, **engine_args) -> ModelSource:
+    """What `model` is, from its config alone (no weights, no tokenizer load). Raises as `pooling_spec`."""
+    config = EngineConfig.from_kwargs(**{"load_format": "dummy", **engine_args})
+    resolved = resolve_model(model, config.load_format, config.revision, config.tokenizer)
+    return ModelSource(resolved.name, resolved.preset, resolved.tokenizer_dir is not None,
+                       resolve_task(resolved.hf_config, resolved.directory, config.runner, config.task))
 
 
 def block_hashes(token_ids: list[int], block_size: int) -> list[int]:

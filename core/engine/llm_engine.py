@@ -63,7 +63,8 @@ class LLM(PoolingAPI, ChoicesAPI):
         self._grammar_compiles: GrammarCompileCache | None = None
         self._grammars: GrammarManager | None = None
         self.config = EngineConfig.from_kwargs(**engine_args)
-        resolved = resolve_model(model, self.config.load_format, self.config.revision)
+        resolved = resolve_model(model, self.config.load_format, self.config.revision,
+                                 self.config.tokenizer)
         self.model_name = resolved.name
         self.hf_config = resolved.hf_config
         # The pooling spec of a pooling model (its task, pooling, outputs), None for a generator.

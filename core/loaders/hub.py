@@ -32,10 +32,10 @@ def is_repo_id(model: str) -> bool:
 
 
 def offline() -> bool:
-    """HF_HUB_OFFLINE as set now (huggingface_hub reads it once, at import)."""
-    from huggingface_hub import is_offline_mode
+    """HF_HUB_OFFLINE as set at import (huggingface_hub reads it then) or now."""
+    from huggingface_hub import constants
 
-    return is_offline_mode() or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+    return bool(constants.HF_HUB_OFFLINE) or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
 
 
 def snapshot_dir(repo_id: str, revision: str | None, load_format: str, patterns: list[str] | None = None,
