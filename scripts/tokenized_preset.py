@@ -11,8 +11,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from nanovllm.loaders.default_model import default_model_path
 from nanovllm.loaders.gguf import gguf_to_hf_dir
-from nanovllm.loaders.resolve import default_model_path
 
 
 def main(preset: str, directory: Path) -> None:

@@ -80,8 +80,8 @@ def arch_model_dirs(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def smollm_dir():
+    from nanovllm.loaders.default_model import default_model_path
     from nanovllm.loaders.gguf import gguf_to_hf_dir
-    from nanovllm.loaders.resolve import default_model_path
 
     return gguf_to_hf_dir(default_model_path())
 

@@ -283,7 +283,7 @@ def test_a_missing_shard_is_named_and_a_stale_index_beside_whole_weights_is_not(
 
 
 def test_a_truncated_gguf_file_is_a_usage_error_naming_it(tmp_path, monkeypatch):
-    from nanovllm.loaders.resolve import default_model_path
+    from nanovllm.loaders.default_model import default_model_path
 
     monkeypatch.setenv("NANOVLLM_CACHE", str(tmp_path / "cache"))
     source = default_model_path()

