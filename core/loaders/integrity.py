@@ -27,16 +27,26 @@ def check_checkpoint_files(directory: Path, weights: bool) -> None:
                 raise ValueError(f"{path} is not complete JSON ({exc}): {_AGAIN}") from None
     if not weights:
         return
-    index = directory / "model.safetensors.index.json"
-    # A whole model.safetensors wins over an index, as in transformers: savers that rewrite a sharded checkpoint
-    # whole (sentence-transformers) leave the old index behind.
-    if index.exists() and not (directory / "model.safetensors").exists():
-        shards = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
-        missing = [name for name in shards if not (directory / name).exists()]
-        if missing:
-            raise ValueError(f"{index} names shards that are not in {directory}: {', '.join(missing[:5])}")
-    for path in sorted(directory.glob("*.safetensors")):
+    for path in weight_files(directory):
         check_safetensors(path)
+
+
+def weight_files(directory: Path) -> list[Path]:
+    """The safetensors files a checkpoint's weights are in, chosen as transformers does: a whole
+    `model.safetensors` (savers that rewrite a sharded checkpoint whole, sentence-transformers, leave the old index
+    and shards behind), else the shards its index names, else every `*.safetensors` file. ValueError naming a shard
+    the index names that is not there."""
+    whole = directory / "model.safetensors"
+    if whole.exists():
+        return [whole]
+    index = directory / "model.safetensors.index.json"
+    if not index.exists():
+        return sorted(directory.glob("*.safetensors"))
+    shards = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
+    missing = [name for name in shards if not (directory / name).exists()]
+    if missing:
+        raise ValueError(f"{index} names shards that are not in {directory}: {', '.join(missing[:5])}")
+    return [directory / name for name in shards]
 
 
 def check_safetensors(path: Path) -> None:

@@ -10,6 +10,7 @@ from torch import nn
 
 from nanovllm.layers.fp8 import FP8_DTYPE, Fp8Scheme
 from nanovllm.loaders.fp8_weights import finish_fp8, prepare_fp8
+from nanovllm.loaders.integrity import weight_files
 
 # Checkpoint tensors with no parameter in our model: rotary tables and the position / token-type id buffers older
 # BERT checkpoints saved are recomputed.
@@ -91,13 +92,13 @@ def parameter_name(model: nn.Module, target: str, params: dict) -> str | None:
 
 
 def load_safetensors_weights(model: nn.Module, directory: Path) -> None:
-    """Load every `*.safetensors` shard of an HF checkpoint directory, one tensor at a time.
+    """Load the safetensors files of an HF checkpoint directory (`integrity.weight_files`), one tensor at a time.
 
     Packed parameters (q/k/v -> qkv_proj, gate/up -> gate_up_proj, MoE experts -> stacked expert tensors) are
     filled part by part through their layer's `weight_loader`, which also takes this rank's tensor-parallel
     slice; a checkpoint that stores a packed tensor whole (Phi-3's qkv_proj, gate_up_proj) is cut into the same
     parts."""
-    files = sorted(directory.glob("*.safetensors"))
+    files = weight_files(directory)
     if not files:
         raise ValueError(f"no *.safetensors files in {directory}")
     params = parameter_loaders(model)

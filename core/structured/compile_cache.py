@@ -12,12 +12,11 @@ one compile at a time on a thread of its own and wait at most `compile_time_limi
 constraint's future fails with an error naming the limit and the slot takes the next constraint, leaving the
 compile to finish on its own and its result to be dropped (the size limits of `bounds` keep that bounded). At most
 `max_overdue` such compiles run on beside the slots: past that a slot waits for one to end before it starts
-another, so hostile constraints cannot pile up threads and memory. Every thread is a daemon, and `shutdown` cancels
-the queued compiles and returns at once: an engine, and a process, stop promptly in the middle of a compile. This
+another, so hostile constraints cannot pile up threads and memory. Every compile thread is a daemon, and `shutdown`
+cancels the queued compiles and returns at once: an engine, and a process, stop promptly in the middle of a compile. This
 module imports xgrammar only on its threads (importing it takes a second or more)."""
 from __future__ import annotations
 
-import atexit
 import json as jsonlib
 import os
 import queue
@@ -132,10 +131,10 @@ class GrammarCompileCache:
         self.vocab_size = vocab_size
         workers = max_workers or max(2, host_cpus() // 2)
         self._setup: Future = Future()
-        # A process that exits in the middle of the (short) build aborts inside xgrammar: exit waits for it.
-        atexit.register(self._setup.exception)
+        # Not a daemon: a process that exits in the middle of the (short) build aborts inside xgrammar, so the
+        # interpreter's exit waits for it.
         threading.Thread(target=self._build, args=(tokenizer, vocab_size, threads_per_compile),
-                         name="grammar-vocabulary", daemon=True).start()
+                         name="grammar-vocabulary").start()
         self.compile_time_limit_s = compile_time_limit_s
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._closed = False

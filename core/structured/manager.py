@@ -77,6 +77,7 @@ class RowOutput:
     text: str  # the bytes the row's grammar accepted (no stop token)
     complete: bool  # a complete match of the constraint
     error: str | None  # a token the grammar rejected: the request fails
+    invalid_request: bool = False  # the rejection is the constraint's fault (nothing could follow), not the engine's
 
 
 class GrammarManager:
@@ -152,7 +153,7 @@ class GrammarManager:
             tokens = tokens[:-1]
         error = row.rejection() if row.rejected_token is not None else None
         text = row.compiled.vocabulary.text(tokens)
-        return RowOutput(text, row.is_completed() and error is None, error)
+        return RowOutput(text, row.is_completed() and error is None, error, row.dead_end)
 
     def drain(self) -> None:
         """Wait for the worker (before the engine drops its sequences after a failed step, whose error it reports:
