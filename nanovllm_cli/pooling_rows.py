@@ -12,7 +12,7 @@ pooling row is refused by name, as is anything of an embeddings body nanovllm do
 from __future__ import annotations
 
 from nanovllm import PoolingParams
-from nanovllm_cli.rows import SAMPLING_FIELDS, RowParser, RowProblem, RowRequest, _checked_payload, _type_name
+from nanovllm_cli.rows import SAMPLING_FIELDS, RowParser, RowProblem, RowRequest, _checked_payload, _type_name, row_overrides
 
 POOLING_FIELDS = ("dimensions", "normalize", "activation")
 INPUT_KEYS = {"text": "prompt", "prompt": "prompt", "messages": "messages", "prompt_token_ids": "token_ids"}
@@ -61,15 +61,8 @@ def _plain_fields(row: dict, task: str) -> tuple[str, object, dict]:
         names = ", ".join(generation or ["sampling_params"])
         raise RowProblem(f"{names}: generation fields do not apply to --task {task} rows (theirs: "
                          f"{', '.join(POOLING_FIELDS)})")
-    overrides = {k: row[k] for k in POOLING_FIELDS if row.get(k) is not None}
-    nested = row.get("pooling_params")
-    if nested is not None:
-        if not isinstance(nested, dict):
-            raise RowProblem(f"'pooling_params' must be an object, not {_type_name(nested)}")
-        unknown = sorted(set(nested) - set(POOLING_FIELDS))
-        if unknown:
-            raise RowProblem(f"unknown pooling parameter(s) {', '.join(unknown)} (known: {', '.join(POOLING_FIELDS)})")
-        overrides.update({k: v for k, v in nested.items() if v is not None})
+    overrides = row_overrides(row, POOLING_FIELDS, "pooling_params", lambda unknown: (
+        f"unknown pooling parameter(s) {', '.join(unknown)} (known: {', '.join(POOLING_FIELDS)})"))
     inputs = [key for key in INPUT_KEYS if key in row]
     pairs = [kind for kind, keys in SCORE_KINDS.items() if any(key in row for key in keys)]
     if task == "score":

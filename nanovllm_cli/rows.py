@@ -196,6 +196,22 @@ def _checked_payload(kind: str, payload: object, name: str) -> str | list:
     return payload
 
 
+def row_overrides(row: dict, fields, nested_name: str, unknown_problem) -> dict:
+    """The row's `fields` given at its top level or in its `nested_name` object (which wins), None values left
+    out; RowProblem for a nested object that is not one, or that names fields not among `fields`
+    (`unknown_problem(sorted names)` says why)."""
+    overrides = {k: row[k] for k in fields if row.get(k) is not None}
+    nested = row.get(nested_name)
+    if nested is not None:
+        if not isinstance(nested, dict):
+            raise RowProblem(f"'{nested_name}' must be an object, not {_type_name(nested)}")
+        unknown = sorted(set(nested) - set(fields))
+        if unknown:
+            raise RowProblem(unknown_problem(unknown))
+        overrides.update({k: v for k, v in nested.items() if v is not None})
+    return overrides
+
+
 def _plain_fields(row: dict) -> tuple[str, object, dict, dict]:
     present = [key for key in PROMPT_KEYS if key in row]
     if len(present) != 1:
@@ -203,15 +219,8 @@ def _plain_fields(row: dict) -> tuple[str, object, dict, dict]:
         raise RowProblem(f"the row has {which} of 'prompt', 'messages', 'prompt_token_ids'")
     key = present[0]
     kind = PROMPT_KEYS[key]
-    overrides = {k: row[k] for k in SAMPLING_FIELDS if row.get(k) is not None}
-    nested = row.get("sampling_params")
-    if nested is not None:
-        if not isinstance(nested, dict):
-            raise RowProblem(f"'sampling_params' must be an object, not {_type_name(nested)}")
-        unknown = sorted(set(nested) - set(SAMPLING_FIELDS))
-        if unknown:
-            raise RowProblem("; ".join(_sampling_params_problem(name) for name in unknown))
-        overrides.update({k: v for k, v in nested.items() if v is not None})
+    overrides = row_overrides(row, SAMPLING_FIELDS, "sampling_params",
+                              lambda unknown: "; ".join(_sampling_params_problem(name) for name in unknown))
     if kind != "messages" and row.get("chat_template_kwargs") is not None:
         raise RowProblem("'chat_template_kwargs' applies to a 'messages' row only")
     template_kwargs = _template_kwargs(row)  # first: a row that brings a template is refused for that

@@ -1,5 +1,5 @@
 """One workload through whichever nanovllm is importable, with the public API only, so that two trees (e.g. the
-working tree and an older commit installed elsewhere) run the same rows in one device session. Prints one JSON
+working tree and an older commit installed elsewhere) run the same rows on one machine in one go. Prints one JSON
 line per round: wall time of the steps, output tok/s, steps, a digest of every row's tokens (equal digests: the
 same tokens), the engine's start-up seconds, its batch size.
 
