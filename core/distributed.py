@@ -24,6 +24,7 @@ class _Group:
 
 
 _group: _Group | None = None
+_aborted = False  # abort_collectives ran on the current group
 _before_destroy: list[Callable[[], None]] = []
 
 
@@ -41,16 +42,27 @@ def before_tp_group_destroyed(release: Callable[[], None]) -> None:
     _before_destroy.append(release)
 
 
+def abort_collectives() -> None:
+    """From any thread: cancel the collectives in flight, which a dead peer would never join (NCCL; gloo's fail
+    by themselves once the peer's sockets close). The group is left with destroy_tp_group(abort=True)."""
+    global _aborted
+    if _group is not None and _group.device.type == "cuda" and not _aborted:
+        _aborted = True
+        dist.distributed_c10d._abort_process_group()
+
+
 def destroy_tp_group(abort: bool = False) -> None:
     """Leave the group. `abort` after a peer failed: pending collectives are cancelled instead of awaited."""
-    global _group
+    global _group, _aborted
     if _group is None:
         return
     group, _group = _group, None
+    already_aborted, _aborted = _aborted, False
     releases = _before_destroy[:]
     _before_destroy.clear()
     if abort and group.device.type == "cuda":  # NCCL: unblocks the device work stuck in collectives with a dead peer
-        dist.distributed_c10d._abort_process_group()
+        if not already_aborted:
+            dist.distributed_c10d._abort_process_group()
     elif abort:
         # gloo (an NCCL-only abort would leave its threads to be torn down at interpreter exit, where they may
         # abort the process): the peers are dead, so a collective in flight fails at once and shutdown joins.

@@ -277,6 +277,31 @@ def test_worker_exception_reaches_the_caller_with_its_traceback(tmp_path, monkey
     assert not any(process_alive(pid) for pid in pids) and not dist.is_initialized()
 
 
+_WORKER_FAILING_IN_BUILD = """
+from nanovllm.runner import model_runner
+
+
+def failing_load(*args, **kwargs):
+    raise RuntimeError("injected fault in the weights' loading")
+
+
+model_runner.load_weights = failing_load
+"""
+
+
+def test_worker_failing_while_the_model_is_built_ends_the_start_with_its_traceback(tmp_path, monkeypatch):
+    """A worker that fails inside the build while rank 0 waits in a collective for it (the KV cache's size, agreed
+    by every rank) ends LLM() at once with the worker's traceback (on NCCL the guard's watchdog aborts that
+    collective, which would otherwise wait for its timeout)."""
+    (tmp_path / "sitecustomize.py").write_text(_WORKER_FAILING_IN_BUILD)  # the workers import it, not this process
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    started = time.monotonic()
+    with pytest.raises(TPWorkerError, match=r"(?s)rank 1 \(pid \d+\) raised:\nTraceback.*"
+                                            r"RuntimeError: injected fault in the weights' loading"):
+        LLM("tiny-qwen3", tensor_parallel_size=2, max_model_len=256, max_num_batched_tokens=32)
+    assert time.monotonic() - started < 60 and not dist.is_initialized()
+
+
 _LIFE_CYCLE_SCRIPT = """
 import signal
 import sys

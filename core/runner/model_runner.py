@@ -281,7 +281,7 @@ class ModelRunner:
         self._bind_kv_cache(scratch)          # shapes reading valid memory, touching no real KV
         def worst_forward():
             logits = self._warmup_forward(self.config.max_num_batched_tokens, rows)
-            if samples:
+            if samples and logits is not None:  # tensor parallelism: rank 0 alone gets the logits and samples
                 self._sample_worst(logits)
 
         worst = WorstStep(activations=meter.peak_of(worst_forward),

@@ -9,8 +9,9 @@ worker processes that build the same model on their shard, then execute every st
   Only rank 0 gets logits (gathered to it) and samples.
 - the pipe is also the life line: a worker reports its traceback through it before it exits, and reads EOF when
   rank 0 goes away; a watchdog thread in each worker exits as soon as rank 0's process dies, so no worker outlives
-  it. Rank 0 watches the workers' process sentinels before each step and while it waits for one, so a dead worker
-  is noticed within milliseconds even when a collective would wait for it until it times out.
+  it. Rank 0 watches the workers' process sentinels before each step and while it waits for one, and a watchdog
+  thread watches them while rank 0 builds the model (`guard`), so a dead worker is noticed within milliseconds
+  even when a collective would wait for it until it times out.
 - any failure or interrupt during a step stops every worker and the engine; `LLM.exit()`, the context manager
   and an atexit hook stop the workers in an orderly way.
 """
@@ -42,6 +43,7 @@ import torch.distributed as dist
 from nanovllm.config import EngineConfig
 from nanovllm.distributed import (
     COLLECTIVE_TIMEOUT,
+    abort_collectives,
     broadcast_from_rank0,
     destroy_tp_group,
     init_tp_group,
@@ -196,8 +198,21 @@ class TPWorkers:
         raise the workers' own error when one of them caused it."""
         if self.closed:
             raise TPWorkerError(f"the tensor-parallel engine is stopped: {self.failure or 'LLM.exit() was called'}")
+        failed, done = threading.Event(), threading.Event()
+        watchdog = None
+        if tp_size() > 1:  # in the group: rank 0 may wait in a collective that a failed worker never joins
+            watchdog = threading.Thread(target=self._abort_on_failure, args=(failed, done),
+                                        name="nanovllm-tp-watchdog", daemon=True)
+            watchdog.start()
         try:
-            yield
+            try:
+                yield
+            finally:
+                done.set()
+                if watchdog is not None:
+                    watchdog.join()
+            if failed.is_set():  # rank 0 got through, on collectives the abort cut short
+                raise TPWorkerError(self._failures(_GRACE_S) or "a tensor-parallel worker failed")
         except BaseException as exc:
             reported = isinstance(exc, TPWorkerError)
             if not reported:
@@ -211,6 +226,16 @@ class TPWorkers:
                 raise TPWorkerError(self.failure) from exc
             self.failure = f"rank 0 raised {type(exc).__name__}: {exc}"
             raise
+
+    def _abort_on_failure(self, failed: threading.Event, done: threading.Event) -> None:
+        """While rank 0 works in `guard` (the model's build: weights, memory profile, graph capture, all with
+        collectives), cancel the group's collectives as soon as a worker reports an error or dies: rank 0 would
+        otherwise wait in one for the collective timeout, with the worker's traceback unread in its pipe."""
+        while not done.is_set():
+            if wait(self._watched, timeout=0.1):
+                failed.set()
+                abort_collectives()
+                return
 
     def _failures(self, wait_s: float) -> str | None:
         """What went wrong with the workers, waiting up to `wait_s` for a first failure; the dead ones first."""
