@@ -18,6 +18,7 @@ import triton.language as tl
 
 from nanovllm.kernels.paged_tile import attend_paged_tile, dot_query, fp16_dots, score_scales
 from nanovllm.kernels.pdl import await_previous_kernel, pdl_launch_args
+from nanovllm.kernels.precision import dot_precision
 
 # Below this many keys per split, writing and merging partial results costs more than the parallelism gains.
 MIN_TOKENS_PER_SPLIT = 256
@@ -49,7 +50,7 @@ def _decode_kernel(q, k_cache, v_cache, out, part_out, part_lse, block_tables, s
                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
                    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-                   FP16_DOTS: tl.constexpr, PDL: tl.constexpr):
+                   FP16_DOTS: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
     await_previous_kernel(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -78,7 +79,8 @@ def _decode_kernel(q, k_cache, v_cache, out, part_out, part_lse, block_tables, s
         acc, m_i, l_i = attend_paged_tile(
             query, acc, m_i, l_i, k_cache + kv_head * stride_kh, v_cache + kv_head * stride_vh,
             block_tables + seq * stride_bt, n, end, offs_h, qk_scale, stride_kb, stride_ks, stride_vb, stride_vs,
-            window, softcap, PAGE=PAGE, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, CAUSAL=False, SOFTCAP=SOFTCAP)
+            window, softcap, PAGE=PAGE, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, CAUSAL=False, SOFTCAP=SOFTCAP,
+            PRECISION=PRECISION)
     # An empty range (seq_len 0, or a split past the end) has l_i = 0 and acc = 0: it yields zeros, not NaN.
     result = acc / tl.maximum(l_i, 1e-30)[:, None] * v_scale
     if SPLIT:
@@ -148,7 +150,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE=page,
         BLOCK_N=config.block_n, SPLIT=num_splits > 1, WINDOW=window is not None, SOFTCAP=softcap is not None,
-        FP16_DOTS=fp16_dots(q, k_cache),
+        FP16_DOTS=fp16_dots(q, k_cache), PRECISION=dot_precision(q.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages,
         **pdl_launch_args(q),
     )

@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.precision import dot_precision
+
 
 class MoeBlocks(NamedTuple):
     """The expert-sorted layout of a batch's (token, slot) pairs (see the module docstring)."""
@@ -223,7 +225,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     tiles = tiles or choose_tiles(num_pairs, num_experts)
     blocks = align_by_expert(topk_ids, num_experts, tiles.block_m)
     num_blocks = blocks.block_expert.numel()
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # the latter is ignored for half types
+    precision = dot_precision(x.dtype)
     act = torch.empty(blocks.sorted_pairs.numel(), inter, dtype=x.dtype, device=x.device)
     _gate_up_kernel[(triton.cdiv(inter, tiles.block_n), num_blocks)](
         x, w13, act, blocks.sorted_pairs, blocks.block_expert, num_pairs, inter, hidden,

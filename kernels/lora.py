@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.fused_moe import align_by_expert
+from nanovllm.kernels.precision import dot_precision
 
 
 class LoRABatch(NamedTuple):
@@ -74,6 +75,18 @@ def choose_tiles(num_blocks: int, num_slices: int, max_rank: int, in_features: i
     programs = num_blocks * triton.cdiv(max_rank, block_r) * num_slices
     split_k = max(1, min(8, in_features // 512, 256 // programs))
     return LoRATiles(block_r=block_r, block_k=64, block_n=64, split_k=split_k)
+
+
+# Shared memory the expand's pipelined stages may buffer beyond the first: well inside every recent GPU's limit.
+EXPAND_STAGE_BYTES = 96 * 1024
+
+
+def expand_stages(block_m: int, tiles: LoRATiles, weight_bytes: int) -> int:
+    """The expand's pipeline depth: each stage of its rank loop holds one rank tile of every split's partial sums
+    (float32) and one tile of B, so with many splits of a wide rank tile even a second stage would not fit (rank
+    64, 8 splits, 64-row blocks: 136 KiB a stage)."""
+    per_stage = tiles.split_k * block_m * tiles.block_r * 4 + tiles.block_n * tiles.block_r * weight_bytes
+    return max(1, min(tiles.num_stages, 1 + EXPAND_STAGE_BYTES // per_stage))
 
 
 def sort_tokens_by_slot(token_slots: torch.Tensor, max_loras: int, block_m: int | None = None) -> LoRABatch:
@@ -187,7 +200,7 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
         return y
     num_blocks = batch.block_group.numel()
     tiles = tiles or choose_tiles(num_blocks, num_slices, max_rank, in_features)
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # the latter is ignored for half types
+    precision = dot_precision(x.dtype)
     partials = torch.empty(tiles.split_k, num_slices, num_tokens, max_rank, dtype=torch.float32, device=x.device)
     _shrink_kernel[(triton.cdiv(max_rank, tiles.block_r) * tiles.split_k, num_blocks, num_slices)](
         x, lora_a, partials, batch.sorted_tokens, batch.block_group, ranks, num_tokens, in_features, num_slices,
@@ -198,5 +211,6 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
         partials, lora_b, y, batch.sorted_tokens, batch.block_group, ranks, scales, slice_starts, num_tokens,
         num_slices, *partials.stride()[:3], *lora_b.stride()[:2],
         y.stride(0), BLOCK_M=batch.block_m, BLOCK_N=tiles.block_n, BLOCK_R=tiles.block_r, SPLIT_K=tiles.split_k,
-        PRECISION=precision, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        PRECISION=precision, num_warps=tiles.num_warps,
+        num_stages=expand_stages(batch.block_m, tiles, lora_b.element_size()))
     return y

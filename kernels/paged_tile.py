@@ -37,7 +37,7 @@ def dot_query(query, qk_scale, FP16_DOTS: tl.constexpr):
 def attend_paged_tile(q, acc, m_i, l_i, k_head, v_head, table_row, start, kv_end, q_pos, qk_scale,
                       stride_kb, stride_ks, stride_vb, stride_vs, window, softcap,
                       PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
-                      WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False):
+                      PRECISION: tl.constexpr, WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False):
     """Fold keys [start, start + BLOCK_N) ∩ [0, kv_end) of one sequence into the running softmax of q's rows.
 
     q: [M, HEAD_DIM]; acc: [M, HEAD_DIM] fp32; m_i, l_i: [M] fp32 running max (log2 units) and sum.
@@ -49,6 +49,7 @@ def attend_paged_tile(q, acc, m_i, l_i, k_head, v_head, table_row, start, kv_end
     CAUSAL: row r sees only keys at positions <= q_pos[r]. WINDOW: row r sees only keys at positions
     > q_pos[r] - window (its last `window` positions, its own included: HF's sliding window); keys before every
     row's window are not read, so their block-table entries may be -1 (blocks freed once out of the window).
+    PRECISION: the dots' input_precision (kernels/precision.py; "ieee" for an fp32 query).
     Without WINDOW every row must see at least one key of the first tile it is given (else its max stays -inf and
     the rescale below makes NaN); with WINDOW a row may see none yet (its max stays -inf, its sums 0)."""
     offs_n = start + tl.arange(0, BLOCK_N)
@@ -68,10 +69,10 @@ def attend_paged_tile(q, acc, m_i, l_i, k_head, v_head, table_row, start, kv_end
     k, v = k.to(q.dtype), v.to(q.dtype)
     if SOFTCAP:
         # qk_scale = scale / softcap here; tanh(x) = 1 - 2 / (e^(2x) + 1) saturates to +-1 without NaN.
-        x = tl.dot(q, tl.trans(k)) * qk_scale
+        x = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         s = (1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)) * softcap  # 2.885... = 2 log2(e)
     else:
-        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     visible = in_range[None, :]
     if CAUSAL:
         visible = visible & (offs_n[None, :] <= q_pos[:, None])
@@ -84,5 +85,5 @@ def attend_paged_tile(q, acc, m_i, l_i, k_head, v_head, table_row, start, kv_end
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_sub)
     p = tl.exp2(s - m_sub[:, None])
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
     return acc, m_new, l_i * alpha + tl.sum(p, 1)

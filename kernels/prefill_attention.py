@@ -18,6 +18,7 @@ import triton.language as tl
 
 from nanovllm.kernels.paged_tile import attend_paged_tile, dot_query, fp16_dots, score_scales
 from nanovllm.kernels.pdl import await_previous_kernel, pdl_launch_args
+from nanovllm.kernels.precision import dot_precision
 
 
 class PrefillConfig(NamedTuple):
@@ -38,7 +39,7 @@ def _prefill_kernel(q, k_cache, v_cache, out, block_tables, seq_lens, query_star
                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-                    FP16_DOTS: tl.constexpr, PDL: tl.constexpr):
+                    FP16_DOTS: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
     await_previous_kernel(PDL)
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -76,13 +77,13 @@ def _prefill_kernel(q, k_cache, v_cache, out, block_tables, seq_lens, query_star
         acc, m_i, l_i = attend_paged_tile(
             query, acc, m_i, l_i, k_head, v_head, table_row, n, causal_start, q_pos, qk_scale,
             stride_kb, stride_ks, stride_vb, stride_vs, window, softcap, PAGE=PAGE, BLOCK_N=BLOCK_N,
-            HEAD_DIM=HEAD_DIM, CAUSAL=False, WINDOW=WINDOW, SOFTCAP=SOFTCAP)
+            HEAD_DIM=HEAD_DIM, CAUSAL=False, WINDOW=WINDOW, SOFTCAP=SOFTCAP, PRECISION=PRECISION)
     kv_end = tl.minimum(first + TOKENS, seq_len)
     for n in range(causal_start, kv_end, BLOCK_N):
         acc, m_i, l_i = attend_paged_tile(
             query, acc, m_i, l_i, k_head, v_head, table_row, n, kv_end, q_pos, qk_scale,
             stride_kb, stride_ks, stride_vb, stride_vs, window, softcap, PAGE=PAGE, BLOCK_N=BLOCK_N,
-            HEAD_DIM=HEAD_DIM, CAUSAL=True, WINDOW=WINDOW, SOFTCAP=SOFTCAP)
+            HEAD_DIM=HEAD_DIM, CAUSAL=True, WINDOW=WINDOW, SOFTCAP=SOFTCAP, PRECISION=PRECISION)
     result = acc / l_i[:, None] * v_scale
     tl.store(out + (q_start + tok)[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
              result.to(out.dtype.element_ty), mask=row_ok[:, None])
@@ -118,7 +119,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, PAGE=page, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         WINDOW=window is not None, SOFTCAP=softcap is not None, num_warps=config.num_warps,
-        FP16_DOTS=fp16_dots(q, k_cache),
+        FP16_DOTS=fp16_dots(q, k_cache), PRECISION=dot_precision(q.dtype),
         num_stages=config.num_stages, **pdl_launch_args(q),
     )
     return out
