@@ -45,9 +45,10 @@ def write_rows(path: Path, workload: str, rows: int, vocab: int, max_tokens: int
 
 
 def run(out: Path, work: Path, label: str, rows: Path, engine: list[str], dp: int, tp: int,
-        kill_at: float | None = None) -> dict:
+        kill_at: float | None = None, limit_s: float | None = None) -> dict:
     """One `nanovllm run` (records under `work`, the rest under `out`); with `kill_at`, the replica holding the most
-    rows is killed (SIGKILL) once that share of the rows is done."""
+    rows is killed (SIGKILL) once that share of the rows is done. A run still going after `limit_s` is killed with
+    its replicas and reported as timed out (the report goes on with the other runs)."""
     nanovllm = shutil.which("nanovllm") or str(Path(sys.executable).parent / "nanovllm")
     results, metrics = work / f"{label}.results.jsonl", out / f"{label}.metrics.jsonl"
     command = [nanovllm, "run", str(rows), "-o", str(results), "--overwrite", "--json", "-q", "--window", "4096",
@@ -55,7 +56,8 @@ def run(out: Path, work: Path, label: str, rows: Path, engine: list[str], dp: in
                "--metrics-interval", "0.5", *engine]
     total = sum(1 for _ in open(rows))
     started = time.perf_counter()
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=open(out / f"{label}.stderr", "w"), text=True)
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=open(out / f"{label}.stderr", "w"), text=True,
+                            start_new_session=True)
     killed = None
     while kill_at is not None and killed is None and proc.poll() is None:
         lines = metrics.read_text().splitlines() if metrics.exists() else []
@@ -66,7 +68,13 @@ def run(out: Path, work: Path, label: str, rows: Path, engine: list[str], dp: in
             killed = {**victim, "at_s": time.perf_counter() - started, "rows_done": last["rows_done"]}
             os.kill(victim["pid"], signal.SIGKILL)
         time.sleep(0.1)
-    stdout, _ = proc.communicate()
+    try:
+        stdout, _ = proc.communicate(timeout=None if limit_s is None else max(limit_s - (time.perf_counter() - started), 1))
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        print(f"{label}: timed out after {limit_s:g} s", file=sys.stderr, flush=True)
+        return {"label": label, "dp": dp, "tp": tp, "rows": total, "timed_out": limit_s}
     wall = time.perf_counter() - started
     if proc.returncode != 0:
         sys.exit(f"{label} exited {proc.returncode}; see {out / (label + '.stderr')}")
@@ -92,6 +100,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128, help="uniform: every row's output")
     parser.add_argument("--sharegpt-cap", type=int, default=1024, help="sharegpt: the most output tokens of a row")
     parser.add_argument("--device", default=None)
+    parser.add_argument("--dp-tp-limit", type=float, default=None, help="seconds before the DP x TP=2 run is killed")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
@@ -117,9 +126,11 @@ def main() -> None:
                             "start_ratio": many["start_s"] / one["start_s"],
                             "start_ratio_all_replicas": all_ready / one["start_s"]}
         if workload == "uniform" and n >= 4:
-            mixed = run(args.out, args.work, f"{workload}-dp{n // 2}-tp2", rows, engine, n // 2, 2)
+            mixed = run(args.out, args.work, f"{workload}-dp{n // 2}-tp2", rows, engine, n // 2, 2,
+                        limit_s=args.dp_tp_limit)
             report["runs"].append(mixed)
-            report[workload]["dp_tp_vs_dp"] = mixed["output_tok_s"] / many["output_tok_s"]
+            report[workload]["dp_tp_vs_dp"] = (None if "timed_out" in mixed
+                                               else mixed["output_tok_s"] / many["output_tok_s"])
         print(json.dumps(report[workload]), file=sys.stderr, flush=True)
     killed = run(args.out, args.work, f"uniform-dp{n}-killed", args.work / "uniform.jsonl", engine, n, 1, kill_at=0.3)
     report["runs"].append(killed)

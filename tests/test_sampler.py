@@ -207,7 +207,7 @@ def test_gpu_warm_up_leaves_nothing_to_compile_for_a_step():
 
     device, vocab = torch.device("cuda"), 151936
     warm_up_sampling(device, vocab, torch.bfloat16)
-    kernels = [sampling._sample_kernel, sampling._sample_wide_kernel, sampling._sample_search_kernel,
+    kernels = [sampling._sample_kernel, sampling._sample_wide_kernel,
                sampling._logprob_stats_kernel, penalties._penalties_kernel]
     before = [compiled_variants(kernel) for kernel in kernels]
     assert all(before), before

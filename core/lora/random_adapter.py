@@ -38,13 +38,16 @@ def save_random_lora_adapter(hf_config, directory: str | Path, rank: int, seed: 
     directory.mkdir(parents=True, exist_ok=True)
     generator = torch.Generator().manual_seed(seed)
     projections = _projections(hf_config)
+    # One random pair per projection, copied into every layer: drawing each layer's own would take minutes for an
+    # 8B model at rank 64, and the weights' values do not matter here.
+    pairs = {module: ((torch.rand(rank, in_features, generator=generator) * 2 - 1) / in_features ** 0.5,
+                      (torch.rand(out_features, rank, generator=generator) * 2 - 1) * 0.01)
+             for module, (in_features, out_features) in projections.items()}
     tensors = {}
     for layer in range(hf_config.num_hidden_layers):
-        for module, (in_features, out_features) in projections.items():
+        for module, (a, b) in pairs.items():
             name = f"base_model.model.model.layers.{layer}.{module}"
-            a = (torch.rand(rank, in_features, generator=generator) * 2 - 1) / in_features ** 0.5
-            b = (torch.rand(out_features, rank, generator=generator) * 2 - 1) * 0.01
-            tensors[f"{name}.lora_A.weight"], tensors[f"{name}.lora_B.weight"] = a.to(dtype), b.to(dtype)
+            tensors[f"{name}.lora_A.weight"], tensors[f"{name}.lora_B.weight"] = a.to(dtype, copy=True), b.to(dtype, copy=True)
     save_file(tensors, str(directory / WEIGHTS_FILE))
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": rank, "bias": "none",
               "target_modules": sorted({module.rsplit(".", 1)[1] for module in projections})}
