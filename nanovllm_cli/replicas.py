@@ -201,8 +201,8 @@ def _why_dead(process: BaseProcess) -> str:
 class ReplicaPool:
     """N replicas behind the `job.Engine` interface; use as a context manager (it stops the replicas).
 
-    The replicas start when it is made; set `prompts` (the parent's tokenizer) and call `wait_first_ready`
-    before using it (`load_replicas` does). `on_event(message)`: a replica died, was restarted or retired."""
+    The replicas start when it is made; call `await_first` before using it. `on_event(message)`: a replica died,
+    was restarted or retired."""
 
     def __init__(self, model: str | None, engine_args: dict, placements: list[Placement], *,
                  max_restarts: int = DEFAULT_RESTARTS, on_event: Callable[[str], None] = lambda message: None):
@@ -234,6 +234,14 @@ class ReplicaPool:
             raise
 
     # ---- start ------------------------------------------------------------------------------------------------
+
+    def await_first(self) -> None:
+        """Load this process's tokenizer (the model resolved, without weights or a device: the parent tokenizes)
+        while the replicas start, then wait until one is ready."""
+        from nanovllm import plan_kv_cache
+
+        self.prompts = plan_kv_cache(self.model, 1, **self.engine_args).prompts
+        self.wait_first_ready()
 
     def _start_wave(self) -> None:
         """Start the replicas of the current wave (those sharing GPUs with earlier ones wait for them)."""
@@ -597,52 +605,69 @@ class ReplicaPool:
         self.close()
 
 
-def start_replicas(model: str | None, args: dict, size: int, *, max_restarts: int = DEFAULT_RESTARTS,
+def spawn_replicas(model: str | None, args: dict, size: int, *, max_restarts: int = DEFAULT_RESTARTS,
                    on_event: Callable[[str], None] = lambda message: None) -> ReplicaPool:
-    """`size` replicas of `LLM(model, **args)` placed on the visible devices and started, while this process loads
-    the tokenizer; returns once one is ready. Raises PlacementError, ReplicaFailed (no replica could start) or
-    the tokenizer's error."""
+    """`size` replicas of `LLM(model, **args)` placed on the visible devices and started; returns at once, before
+    they are ready (`ReplicaPool.await_first`). Raises PlacementError when they do not fit."""
     import torch
-
-    from nanovllm import plan_kv_cache
 
     on_gpu = args.get("device", "cuda" if torch.cuda.is_available() else "cpu") != "cpu"
     placements = plan_replicas(size, args.get("tensor_parallel_size", 1), on_gpu, visible_gpus() if on_gpu else [],
                                args.get("gpu_memory_utilization"))
-    pool = ReplicaPool(model, args, placements, max_restarts=max_restarts, on_event=on_event)
+    return ReplicaPool(model, args, placements, max_restarts=max_restarts, on_event=on_event)
+
+
+def start_replicas(model: str | None, args: dict, size: int, *, max_restarts: int = DEFAULT_RESTARTS,
+                   on_event: Callable[[str], None] = lambda message: None) -> ReplicaPool:
+    """`spawn_replicas`, then `await_first`: returns once one is ready. Raises PlacementError, ReplicaFailed (no
+    replica could start) or the tokenizer's error."""
+    pool = spawn_replicas(model, args, size, max_restarts=max_restarts, on_event=on_event)
     try:
-        # The model resolved and its tokenizer loaded here, without weights or a device: the parent tokenizes.
-        pool.prompts = plan_kv_cache(model, 1, **args).prompts
-        pool.wait_first_ready()
+        pool.await_first()
     except BaseException:
         pool.close()
         raise
     return pool
 
 
-def load_replicas(engine: EngineOptions, seed: int | None = None, *, max_restarts: int = DEFAULT_RESTARTS,
-                  on_event: Callable[[str], None] = lambda message: None) -> ReplicaPool:
-    """`start_replicas` for `engine.data_parallel_size` replicas of the engine these options describe; a clean
-    usage error (exit 2, nothing run) when the options, the model or the placement do not work."""
+def spawn_engine_replicas(engine: EngineOptions, seed: int | None = None, *, max_restarts: int = DEFAULT_RESTARTS,
+                          on_event: Callable[[str], None] = lambda message: None) -> ReplicaPool:
+    """`spawn_replicas` for `engine.data_parallel_size` replicas of the engine these options describe; a clean
+    usage error (exit 2) when the options or the placement do not work. `run` starts them before its checks of
+    INPUT and OUTPUT, which then overlap the replicas' start (`ready_replicas` waits for them)."""
     try:
         args = engine.args(seed)
     except ValueError as exc:
         raise o.fail(str(exc)) from None
     try:
-        pool = start_replicas(engine.model, args, engine.data_parallel_size, max_restarts=max_restarts,
+        return spawn_replicas(engine.model, args, engine.data_parallel_size, max_restarts=max_restarts,
                               on_event=on_event)
     except PlacementError as exc:
         raise o.fail(str(exc)) from None
+
+
+def ready_replicas(pool: ReplicaPool, engine: EngineOptions) -> ReplicaPool:
+    """`pool.await_first()` with clean usage errors (exit 2, nothing run) when the model does not work, then the
+    options' chat template. The caller closes the pool if this raises."""
+    try:
+        pool.await_first()
     except ReplicaFailed as exc:
         raise o.fail(f"cannot start the replicas: {exc}") from None
     except (ValueError, OSError, ImportError, RuntimeError, KeyError) as exc:
         raise o.fail(f"cannot load the model: {exc}") from None
+    o.use_chat_template(engine, pool.prompts)
+    return pool
+
+
+def load_replicas(engine: EngineOptions, seed: int | None = None, *, max_restarts: int = DEFAULT_RESTARTS,
+                  on_event: Callable[[str], None] = lambda message: None) -> ReplicaPool:
+    """`spawn_engine_replicas`, then `ready_replicas`."""
+    pool = spawn_engine_replicas(engine, seed, max_restarts=max_restarts, on_event=on_event)
     try:
-        o.use_chat_template(engine, pool.prompts)
+        return ready_replicas(pool, engine)
     except BaseException:
         pool.close()
         raise
-    return pool
 
 
 def merge_reports(reports: list[dict]) -> dict:

@@ -222,36 +222,48 @@ def run_local(input_name: str, output_name: str | None, input_format: str | None
               engine: EngineOptions, sampling: dict, seed: int, job: JobOptions) -> dict:
     """The job in this process: INPUT and OUTPUT located (stdin / stdout, URLs, Hub datasets: locations.py),
     checked, the model loaded, every row run into OUTPUT; returns the summary."""
+    from rich.console import Console
+
+    from nanovllm_cli.display import notice
     from nanovllm_cli.locations import open_input, open_output
     from nanovllm_cli.progress import loading
 
-    with loading(job.quiet) as stage:
-        stage("reading INPUT")
-        try:
-            source_in = open_input(input_name, input_format, hf_split)
-        except (ValueError, OSError) as exc:
-            raise o.fail(str(exc)) from None
-        try:
+    console = Console(stderr=True)
+    replicas = None
+    if engine.data_parallel_size > 1:  # started first: they load while this process reads and checks the files
+        from nanovllm_cli.replicas import spawn_engine_replicas
+
+        replicas = spawn_engine_replicas(engine, seed, max_restarts=job.max_restarts,
+                                         on_event=lambda message: notice(console, message))
+    try:
+        with loading(job.quiet) as stage:
+            stage("reading INPUT")
             try:
-                target = open_output(output_name or source_in.default_output(), resume=job.resume,
-                                     overwrite=job.overwrite)
-            except ValueError as exc:
+                source_in = open_input(input_name, input_format, hf_split)
+            except (ValueError, OSError) as exc:
                 raise o.fail(str(exc)) from None
             try:
-                return checked_job(source_in, target, engine, sampling, seed, job, stage)
+                try:
+                    target = open_output(output_name or source_in.default_output(), resume=job.resume,
+                                         overwrite=job.overwrite)
+                except ValueError as exc:
+                    raise o.fail(str(exc)) from None
+                try:
+                    return checked_job(source_in, target, engine, sampling, seed, job, stage, console, replicas)
+                finally:
+                    target.close()
             finally:
-                target.close()
-        finally:
-            source_in.close()
+                source_in.close()
+    finally:
+        if replicas is not None:  # stopped however the job ends (a failed check included)
+            replicas.close()
 
 
 def checked_job(source_in: InputLocation, target: OutputLocation, engine: EngineOptions, sampling: dict, seed: int,
-                job: JobOptions, stage: Stages) -> dict:
-    """The whole-file checks (before the model loads), then the job."""
-    from rich.console import Console
-
+                job: JobOptions, stage: Stages, console: Console, replicas: ReplicaPool | None) -> dict:
+    """The whole-file checks (before the model loads; `replicas`, the data-parallel replicas, are already
+    starting), then the job."""
     from nanovllm import SamplingParams
-    from nanovllm_cli.display import notice
     from nanovllm_cli.lora_modules import LoRAModules
     from nanovllm_cli.metrics import check_writable
     from nanovllm_cli.pooling_rows import PoolingRowParser
@@ -308,16 +320,14 @@ def checked_job(source_in: InputLocation, target: OutputLocation, engine: Engine
     except OSError as exc:
         raise o.fail(f"cannot write --metrics-file {job.metrics_file}: {exc.strerror or exc}") from None
     locks = [OutputLock(path) for path in (output, error_file) if path is not None and target.remote is None]
-    console = Console(stderr=True)
     try:
         answered = prepare_outputs(target, error_file, input_path, layout, locks, scan.fingerprints, job)
         stage("loading the model" + (f" ({engine.data_parallel_size} replicas)" if engine.data_parallel_size > 1
                                      else ""), log=True)
-        if engine.data_parallel_size > 1:
-            from nanovllm_cli.replicas import load_replicas
+        if replicas is not None:
+            from nanovllm_cli.replicas import ready_replicas
 
-            source = load_replicas(engine, seed, max_restarts=job.max_restarts,
-                                   on_event=lambda message: notice(console, message))
+            source = ready_replicas(replicas, engine)
         else:
             source = o.load_llm(engine, seed)
         with source:

@@ -262,6 +262,24 @@ def test_data_parallel_usage_errors_exit_2(tmp_path):
     assert result.exit_code == 2 and "drop --data-parallel-size" in result.stderr
 
 
+def test_replicas_start_before_the_checks_and_stop_when_a_check_fails(tmp_path, monkeypatch):
+    """`run` spawns the replicas before it resolves the model and checks the files (their start overlaps those
+    checks); a check that fails still ends with exit 2 and no replica left running."""
+    import multiprocessing
+
+    from nanovllm_cli.replicas import ReplicaPool
+
+    spawned = []
+    spawn = ReplicaPool._spawn
+    monkeypatch.setattr(ReplicaPool, "_spawn", lambda pool, replica: (spawned.append(replica.index),
+                                                                      spawn(pool, replica)))
+    rows = [{"id": "a", "prompt_token_ids": [1, 2]}, {"id": "a", "prompt_token_ids": [3]}]
+    result = invoke("run", write_jsonl(tmp_path / "in.jsonl", rows), "-o", tmp_path / "out.jsonl", *SHAPE,
+                    "--device", "cpu", "--data-parallel-size", 2)
+    assert result.exit_code == 2 and "INPUT repeats ids" in result.stderr, result.stderr
+    assert sorted(spawned) == [0, 1] and not multiprocessing.active_children()
+
+
 def test_a_replica_whose_engine_fails_in_a_step_reports_the_rows_of_that_step(monkeypatch):
     """The replica's side, in this process: groups in, the rows entering the engine reported, a failing step, then
     the rows of that step sent back as failed (the parent runs them again as suspects and restarts the replica) and
