@@ -7,6 +7,8 @@ arrays), so every row must end on its own with "stop" well inside max_tokens, an
 extraction schema."""
 import json
 import re
+import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -179,6 +181,41 @@ def test_a_constraint_is_validated_where_it_is_given():
         SamplingParams(structured_outputs="json")
     assert SamplingParams(structured_outputs={"choice": ["a"]}).structured_outputs == StructuredOutputsParams(
         choice=["a"])
+
+
+def test_an_engine_whose_start_fails_stops_its_grammar_threads(text_model):
+    """The grammar compile cache starts with the engine (its tokenizer tables build while the model loads); a
+    start that fails after it (here an impossible max_model_len) stops its threads at once, not when the failed
+    engine is collected (the exception's traceback keeps it alive)."""
+    def grammar_threads():
+        return {t for t in threading.enumerate() if t.name.startswith("grammar-compile-")}
+
+    before = grammar_threads()
+    with pytest.raises(ValueError, match="max_model_len") as failed:
+        LLM(text_model, max_model_len=10**6)
+    assert failed.value.__traceback__ is not None  # the failed engine is still referenced from here
+    deadline = time.monotonic() + 10
+    while grammar_threads() - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not grammar_threads() - before
+
+
+def test_a_grammar_vocabulary_that_cannot_be_built_is_the_engines_error_not_the_requests(text_model, monkeypatch):
+    """When the engine cannot build its grammar vocabulary from the tokenizer, each constrained request fails with
+    that reason as an engine error (HTTP 500), not as an invalid request (400); unconstrained rows run."""
+    from nanovllm.structured import vocabulary
+
+    def failing_build(tokenizer, vocab_size):
+        raise RuntimeError("an unreadable tokenizer")
+
+    monkeypatch.setattr(vocabulary, "build_vocabulary", failing_build)
+    with LLM(text_model, **ENGINE) as engine:
+        constrained, free = engine.generate(
+            ["Answer:", "Hello"], [SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(
+                choice=["yes", "no"])), SamplingParams(max_tokens=4, ignore_eos=True)])
+    assert constrained.outputs[0].finish_reason == "error" and not constrained.invalid_request
+    assert "grammar vocabulary could not be built" in constrained.error and "an unreadable tokenizer" in constrained.error
+    assert free.error is None and len(free.outputs[0].token_ids) == 4
 
 
 def test_a_model_without_tokenizer_rejects_constraints():

@@ -71,13 +71,13 @@ class LLM(PoolingAPI, ChoicesAPI):
         self.pooling = resolve_task(self.hf_config, resolved.directory, self.config.runner, self.config.task)
         self.prompts = PromptTokenizer.for_model(resolved, self.pooling)
         self.tokenizer = self.prompts.tokenizer
-        if self.tokenizer is not None and self.pooling is None:  # its grammar tables build in the background now
-            self._grammar_compiles = GrammarCompileCache(self.tokenizer, self.hf_config.vocab_size)
-        self.max_model_len = self._max_model_len()
-        self._startup_s = {"resolve": time.perf_counter() - started}
-        self._workers = start_workers(self.config, resolved, self.max_model_len,  # tensor-parallel ranks 1..N-1
-                                      self.pooling)
-        try:
+        try:  # a start that fails stops what it started (the grammar tables' thread, the workers) at once
+            if self.tokenizer is not None and self.pooling is None:  # the grammar tables build in the background
+                self._grammar_compiles = GrammarCompileCache(self.tokenizer, self.hf_config.vocab_size)
+            self.max_model_len = self._max_model_len()
+            self._startup_s = {"resolve": time.perf_counter() - started}
+            self._workers = start_workers(self.config, resolved, self.max_model_len,  # tensor-parallel ranks 1..N-1
+                                          self.pooling)
             with self._workers.guard() if self._workers else nullcontext():  # a worker's error, not a broken collective
                 self._runner = ModelRunner(self.config, resolved, self.max_model_len, sorted(self._eos_token_ids()),
                                            self.pooling)

@@ -12,6 +12,7 @@ from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.engine.stop_strings import StopStringDetector
 from nanovllm.kv_groups import max_blocks_held
 from nanovllm.step_types import ScheduledBatch, StepLogprobs
+from nanovllm.structured.compile_cache import GrammarSetupError
 
 if TYPE_CHECKING:
     from nanovllm.lora.manager import LoRAManager
@@ -261,16 +262,17 @@ class Scheduler:
         except Exception as exc:  # noqa: BLE001 - whatever breaks one request's constraint fails that request only
             message = str(exc) or type(exc).__name__
             self._fail_waiting(seq, message if message.startswith("structured_outputs") else
-                               f"structured_outputs: {message}")
+                               f"structured_outputs: {message}", invalid_request=not isinstance(exc, GrammarSetupError))
             return False
         return True
 
-    def _fail_waiting(self, seq: Sequence, message: str) -> None:
-        """Finish a sequence that never ran with finish reason "error" (it holds no blocks and no runner row)."""
+    def _fail_waiting(self, seq: Sequence, message: str, invalid_request: bool) -> None:
+        """Finish a sequence that never ran with finish reason "error" (it holds no blocks and no runner row);
+        `invalid_request`: the request's fault (a constraint that does not compile), not the engine's."""
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = "error"
         seq.error = message
-        seq.invalid_request = True
+        seq.invalid_request = invalid_request
         self.finished.append(seq)
 
     @staticmethod

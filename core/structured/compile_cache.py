@@ -117,6 +117,11 @@ def _settle(future: Future, result: object = None, error: BaseException | None =
         pass
 
 
+class GrammarSetupError(RuntimeError):
+    """The engine could not build its grammar vocabulary: every constrained request fails with it, and the fault
+    is the engine's (or its tokenizer's), not the request's."""
+
+
 class GrammarCompileCache:
     """Compiles constraints for one tokenizer. `vocab_size` is the MODEL's (its logits' width), which may exceed
     the tokenizer's; grammars cover `mask_vocab_size` ids, and the ones past them are never allowed. Thread-safe.
@@ -164,7 +169,10 @@ class GrammarCompileCache:
             compiler = xgr.GrammarCompiler(vocabulary.tokenizer_info, max_threads=threads, cache_enabled=False)
             _settle(self._setup, (vocabulary, compiler))
         except BaseException as exc:  # noqa: BLE001 (every compile reports it)
-            _settle(self._setup, error=exc)
+            error = GrammarSetupError(f"the grammar vocabulary could not be built from the model's tokenizer: "
+                                      f"{type(exc).__name__}: {exc}")
+            error.__cause__ = exc
+            _settle(self._setup, error=error)
 
     def vocabulary(self) -> GrammarVocabulary:
         """The engine's grammar vocabulary; blocks until the background build is done."""
