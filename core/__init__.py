@@ -7,6 +7,7 @@ from nanovllm.engine.dry_run import (
     ModelSource,
     PrefixCacheReplay,
     block_hashes,
+    check_engine_args,
     model_source,
     plan_kv_cache,
     pooling_spec,
@@ -39,4 +40,5 @@ __all__ = ["LLM", "ChoiceScore", "ChoicesRequestOutput", "ClassificationOutput",
            "LoRARequest", "Logprob", "ModelSource", "PoolingOutput", "PoolingParams", "PoolingRequestOutput", "PoolingSpec",
            "PositionLogprobs", "PrefixCacheReplay", "PromptTokenizer", "RequestOutput", "SamplingParams", "ScoringOutput",
            "ScoringRequestOutput", "StepFailedError", "StructuredOutputsParams", "__version__", "block_hashes",
-           "from_response_format", "model_source", "plan_kv_cache", "pooling_spec", "save_random_lora_adapter"]
+           "check_engine_args", "from_response_format", "model_source", "plan_kv_cache", "pooling_spec",
+           "save_random_lora_adapter"]

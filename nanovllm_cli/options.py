@@ -215,10 +215,16 @@ def model_source(engine: EngineOptions) -> ModelSource | None:
     says why, once the whole-file checks have had their say (with --ray, on the node that loads it: the driver may
     lack the model). A model shape is a usage error unless asked for with --load-format dummy: it has random
     weights, which must never pass for a model's answers."""
+    from nanovllm import check_engine_args
     from nanovllm import model_source as describe
 
+    try:  # the options themselves are checked here, strictly: only the model's resolution may fail quietly
+        args = engine.args()
+        check_engine_args(**args)
+    except ValueError as exc:
+        raise fail(str(exc)) from None
     try:
-        source = describe(engine.model, **engine.args())
+        source = describe(engine.model, **args)
     except (ValueError, OSError, ImportError, KeyError):
         return None
     if source.preset and engine.load_format != "dummy":

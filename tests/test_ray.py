@@ -182,6 +182,9 @@ def test_an_address_without_a_cluster_fails_within_seconds_naming_it(tmp_path):
     (["--ray", "-o", "{tmp}/out.csv"], "named *.parquet or *.jsonl"),
     (["--ray"], "--ray needs -o OUTPUT"),
     (["--ray", "-o", "{tmp}/in.jsonl"], "is a file; with --ray OUTPUT is a directory"),
+    # a bad engine option: before Ray starts (not as the actors' failure, exit 3)
+    (["--ray", "-o", "{tmp}/out.jsonl", "--model", "tiny-qwen3", "--load-format", "dummy", "--block-size", 3],
+     "engine argument block_size=3: must be a power of two"),
 ])
 def test_run_ray_rejects_what_it_does_not_support(tmp_path, args, message):
     path = write_jsonl(tmp_path / "in.jsonl", ROWS[:1])

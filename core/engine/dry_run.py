@@ -68,6 +68,12 @@ def plan_kv_cache(model: str | None = None, num_blocks: int | None = None, **eng
                        kv_dtype.itemsize, bytes_per_block, num_blocks, source, groups.windows)
 
 
+def check_engine_args(**engine_args) -> None:
+    """Raise ValueError naming an engine argument `LLM()` would refuse (an unknown name, a bad value), without
+    resolving a model."""
+    EngineConfig.from_kwargs(**engine_args)
+
+
 def pooling_spec(model: str | None = None, **engine_args) -> PoolingSpec | None:
     """How `LLM(model, **engine_args)` would pool (its task, outputs, input rules), or None where it would
     generate; from the model's config and sentence-transformers files alone. Raises ValueError / OSError for bad
