@@ -56,7 +56,10 @@ def run(out: Path, work: Path, label: str, rows: Path, engine: list[str], dp: in
                "--metrics-interval", "0.5", *engine]
     total = sum(1 for _ in open(rows))
     started = time.perf_counter()
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=open(out / f"{label}.stderr", "w"), text=True,
+    # stdout to a file, not a pipe: nothing reads a pipe while the kill loop polls, and a child writing there
+    # (a replica inherits it) would block once its buffer is full
+    stdout_path = out / f"{label}.stdout"
+    proc = subprocess.Popen(command, stdout=open(stdout_path, "w"), stderr=open(out / f"{label}.stderr", "w"),
                             start_new_session=True)
     killed = None
     while kill_at is not None and killed is None and proc.poll() is None:
@@ -69,16 +72,16 @@ def run(out: Path, work: Path, label: str, rows: Path, engine: list[str], dp: in
             os.kill(victim["pid"], signal.SIGKILL)
         time.sleep(0.1)
     try:
-        stdout, _ = proc.communicate(timeout=None if limit_s is None else max(limit_s - (time.perf_counter() - started), 1))
+        proc.wait(timeout=None if limit_s is None else max(limit_s - (time.perf_counter() - started), 1))
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
+        proc.wait()
         print(f"{label}: timed out after {limit_s:g} s", file=sys.stderr, flush=True)
         return {"label": label, "dp": dp, "tp": tp, "rows": total, "timed_out": limit_s}
     wall = time.perf_counter() - started
     if proc.returncode != 0:
         sys.exit(f"{label} exited {proc.returncode}; see {out / (label + '.stderr')}")
-    summary = json.loads(stdout)
+    summary = json.loads(stdout_path.read_text().splitlines()[-1])  # the --json summary is the last line
     (out / f"{label}.summary.json").write_text(json.dumps(summary, indent=1))
     ids = [json.loads(line)["id"] for line in open(results)]
     replicas = summary.get("replicas") or []
