@@ -237,11 +237,18 @@ class ReplicaPool:
 
     def await_first(self) -> None:
         """Load this process's tokenizer (the model resolved, without weights or a device: the parent tokenizes)
-        while the replicas start, then wait until one is ready."""
+        while the replicas start, then wait until one is ready (the job starts with it). A replica that fails
+        before any is ready raises ReplicaFailed: the model or an option is wrong, and every replica would fail
+        alike."""
         from nanovllm import plan_kv_cache
 
         self.prompts = plan_kv_cache(self.model, 1, **self.engine_args).prompts
-        self.wait_first_ready()
+        while self.info is None:
+            for replica, process, message in self._receive(self._live(), None):
+                if message[0] == "ready":
+                    self._joined(replica, message)
+                else:
+                    raise ReplicaFailed(f"{replica.describe(process)} {self._death_cause(process, message)}")
 
     def _start_wave(self) -> None:
         """Start the replicas of the current wave (those sharing GPUs with earlier ones wait for them)."""
@@ -263,16 +270,6 @@ class ReplicaPool:
         from_child.close()
         replica.process, replica.send_end, replica.recv_end = process, from_parent, to_parent
         replica.state, replica.spawned, replica.report = "starting", time.monotonic(), None
-
-    def wait_first_ready(self) -> None:
-        """Wait until one replica is ready (the job starts with it). A replica that fails before any is ready
-        raises ReplicaFailed: the model or an option is wrong, and every replica would fail alike."""
-        while self.info is None:
-            for replica, process, message in self._receive(self._live(), None):
-                if message[0] == "ready":
-                    self._joined(replica, message)
-                else:
-                    raise ReplicaFailed(f"{replica.describe(process)} {self._death_cause(process, message)}")
 
     def _joined(self, replica: Replica, message: tuple) -> None:
         replica.info, replica.report = message[1], message[2]
