@@ -119,12 +119,18 @@ def tiny_tp1(tiny_model_dirs):
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_tp2_equals_tp1_tiny_qwen3(async_scheduling, tiny_model_dirs, tiny_tp1):
+def test_tp2_equals_tp1_tiny_qwen3(async_scheduling, tiny_model_dirs, tiny_tp1, monkeypatch):
+    """Also: the steps start no thread (a thread started and joined around each step cost up to 0.1 s a step)."""
     with LLM(str(tiny_model_dirs["qwen3"]), tensor_parallel_size=2, async_scheduling=async_scheduling,
              **TINY_ENGINE) as llm:
+        started = []
+        start = threading.Thread.start
+        monkeypatch.setattr(threading.Thread, "start", lambda thread: (started.append(thread.name), start(thread)))
         first = llm.generate(TINY_PROMPTS, GREEDY)
         second = llm.generate(TINY_PROMPTS, GREEDY)  # served largely from the prefix cache
+        monkeypatch.undo()
         pids = llm._workers.pids
+    assert started == []
     assert [o.token_ids for o in first] == [o.token_ids for o in second] == tiny_tp1
     assert second[2].num_cached_tokens == 64
     assert not any(process_alive(pid) for pid in pids) and not dist.is_initialized()

@@ -193,14 +193,17 @@ class TPWorkers:
         return [w.conn for w in self.ranks] + [w.process.sentinel for w in self.ranks]
 
     @contextlib.contextmanager
-    def guard(self) -> Iterator[None]:
+    def guard(self, watch: bool = False) -> Iterator[None]:
         """Around rank 0's part of work all ranks share: if it fails or is interrupted, stop every worker, and
-        raise the workers' own error when one of them caused it."""
+        raise the workers' own error when one of them caused it. `watch`: a watchdog thread also aborts the
+        group's collectives when a worker fails meanwhile (the model's build, which waits in collectives that a
+        step's own waits do not watch); a step does without it, as a thread started and joined per step would
+        cost up to its poll interval each time."""
         if self.closed:
             raise TPWorkerError(f"the tensor-parallel engine is stopped: {self.failure or 'LLM.exit() was called'}")
         failed, done = threading.Event(), threading.Event()
         watchdog = None
-        if tp_size() > 1:  # in the group: rank 0 may wait in a collective that a failed worker never joins
+        if watch and tp_size() > 1:  # in the group: rank 0 may wait in a collective a failed worker never joins
             watchdog = threading.Thread(target=self._abort_on_failure, args=(failed, done),
                                         name="nanovllm-tp-watchdog", daemon=True)
             watchdog.start()
