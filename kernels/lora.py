@@ -28,6 +28,10 @@ The rule:
 Launches see only device tensors and grids that depend on the number of tokens alone: no host synchronisation,
 so a decode step with adapters can be captured in a CUDA graph (the slot of each token is the graph's input).
 
+kernels/lora_dense.py is the other way, for pools whose adapters are small next to the projection (the layer
+chooses). The layer stores A as [slices, slots, R, in] and B as [out, slots, R] for it, and hands these kernels
+the [slots, ...] views of the same storage.
+
 float32 inputs multiply in IEEE float32 (tl.dot would otherwise round them to TF32); half types accumulate in
 float32, and the expand rounds the shrink's sums to the weights' type before its product (as the model would)."""
 from __future__ import annotations
@@ -195,7 +199,7 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
     assert lora_a.shape[3] == in_features and lora_b.shape == (num_slots, y.shape[1], max_rank)
     assert ranks.shape == scales.shape == (num_slots, num_slices) and slice_starts.numel() == num_slices + 1
     assert y.shape[0] == num_tokens == batch.num_tokens and x.stride(1) == 1 and y.stride(1) == 1
-    assert lora_a.is_contiguous() and lora_b.is_contiguous() and ranks.is_contiguous() and scales.is_contiguous()
+    assert lora_a.stride(3) == 1 and lora_b.stride(2) == 1 and ranks.is_contiguous() and scales.is_contiguous()
     if num_tokens == 0:
         return y
     num_blocks = batch.block_group.numel()
@@ -214,3 +218,4 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
         PRECISION=precision, num_warps=tiles.num_warps,
         num_stages=expand_stages(batch.block_m, tiles, lora_b.element_size()))
     return y
+

@@ -1,13 +1,16 @@
-"""The multi-LoRA kernels (kernels/lora.py) against the base projections they add to, at one decoder layer of
+"""The multi-LoRA updates (kernels/lora.py's grouped kernels, kernels/lora_dense.py's dense products) against the
+base projections they add to, at one decoder layer of
 Qwen3-8B by default (hidden 4096, intermediate 12288, 32 q / 8 kv heads of 128; bf16, random weights). GPU; JSON
 lines to stdout, or to --out.
 
 Per rank and batch size: --adapters adapters of that rank (in a pool of --max-loras slots of that rank) spread
 round-robin over the rows, every --base-every-th row on the base model (0: none). Device time from CUDA events
 (median of --repeats after a warm-up) of each projection's base matmul (F.linear) and of its LoRA update
-(`add_lora`: shrink + expand), and of the step's token sort (`sort_tokens_by_slot`, once per step for every
-layer). `layer_ratio`: base time / (base + LoRA time) over the layer's four projections with the sort spread
-over --layers layers: the share of the linear layers' throughput that adapters keep (attention excluded).
+(`add_lora`: shrink + expand; `add_lora_dense`), and of the step's token sort (`sort_tokens_by_slot`, once
+per step for every layer) and one-hot (the dense update's). `layer_ratio` and `dense_layer_ratio`: base time /
+(base + update time) over the layer's four projections with the per-step work spread over --layers layers: the
+share of the linear layers' throughput that adapters keep (attention excluded). Eager launches: at small batches
+the host's launch time, not the device's, may decide a figure (a decode step replays a CUDA graph).
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm.kernels.lora import add_lora, sort_tokens_by_slot
+from nanovllm.kernels.lora_dense import add_lora_dense
 from nanovllm_cli.roofline import median_cuda_ms
 
 
@@ -28,6 +32,11 @@ def projections(hidden: int, inter: int, q_heads: int, kv_heads: int, head_dim: 
     return {"qkv_proj": (hidden, [q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]),
             "o_proj": (q_heads * head_dim, [hidden]), "gate_up_proj": (hidden, [inter, inter]),
             "down_proj": (inter, [hidden])}
+
+
+def one_hot(slots: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
+    """The dense update's per-step input (core/lora/layers.py `LoRALayers.set_step`)."""
+    return (slots[:, None] == slot_ids[None]).float()
 
 
 def main() -> None:
@@ -59,20 +68,26 @@ def main() -> None:
             starts = torch.tensor([0, *torch.tensor(widths).cumsum(0).tolist()], dtype=torch.int32, device=device)
             pools[name] = dict(
                 weight=(torch.randn(out_features, in_features, device=device, generator=gen) * 0.02).to(dtype),
-                lora_a=(torch.randn(args.max_loras, len(widths), rank, in_features, device=device, generator=gen)
-                        * 0.02).to(dtype),
-                lora_b=(torch.randn(args.max_loras, out_features, rank, device=device, generator=gen) * 0.02).to(dtype),
+                # slot-second storage, slot-first views (as core/lora/layers.py keeps them)
+                lora_a=(torch.randn(len(widths), args.max_loras, rank, in_features, device=device, generator=gen)
+                        * 0.02).to(dtype).transpose(0, 1),
+                lora_b=(torch.randn(out_features, args.max_loras, rank, device=device, generator=gen)
+                        * 0.02).to(dtype).transpose(0, 1),
                 ranks=torch.full((args.max_loras, len(widths)), rank, dtype=torch.int32, device=device),
                 scales=torch.ones(args.max_loras, len(widths), device=device), slice_starts=starts,
-                max_slice_width=max(widths))
+                starts_host=starts.tolist(), max_slice_width=max(widths))
         for batch in args.batches:
             slots = torch.arange(batch, device=device, dtype=torch.int32) % args.adapters
             if args.base_every:
                 slots[:: args.base_every] = -1
             sorted_batch = sort_tokens_by_slot(slots, args.max_loras)
             sort_ms = median_cuda_ms(functools.partial(sort_tokens_by_slot, slots, args.max_loras), args.repeats)
-            row = {"rank": rank, "batch": batch, "block_m": sorted_batch.block_m, "sort_ms": sort_ms}
-            base_total = lora_total = 0.0
+            slot_ids = torch.arange(args.max_loras, device=device, dtype=torch.int32)
+            onehot_ms = median_cuda_ms(functools.partial(one_hot, slots, slot_ids), args.repeats)
+            onehot = one_hot(slots, slot_ids)
+            row = {"rank": rank, "batch": batch, "block_m": sorted_batch.block_m, "sort_ms": sort_ms,
+                   "onehot_ms": onehot_ms}
+            base_total = lora_total = dense_total = 0.0
             for name, (in_features, _) in shapes.items():
                 pool = pools[name]
                 x = torch.randn(batch, in_features, device=device, generator=gen).to(dtype)
@@ -81,10 +96,15 @@ def main() -> None:
                 lora_ms = median_cuda_ms(functools.partial(
                     add_lora, y, x, pool["lora_a"], pool["lora_b"], pool["ranks"], pool["scales"], pool["slice_starts"],
                     pool["max_slice_width"], sorted_batch), args.repeats)
-                row[name] = {"base_ms": base_ms, "lora_ms": lora_ms}
+                dense_ms = median_cuda_ms(functools.partial(
+                    add_lora_dense, y, x, pool["lora_a"], pool["lora_b"], pool["scales"], pool["starts_host"], onehot),
+                    args.repeats)
+                row[name] = {"base_ms": base_ms, "lora_ms": lora_ms, "dense_ms": dense_ms}
                 base_total += base_ms
                 lora_total += lora_ms
+                dense_total += dense_ms
             row["layer_ratio"] = base_total / (base_total + lora_total + sort_ms / args.layers)
+            row["dense_layer_ratio"] = base_total / (base_total + dense_total + onehot_ms / args.layers)
             print(json.dumps(row), file=out, flush=True)
 
 

@@ -1,7 +1,8 @@
-"""The multi-LoRA kernels (kernels/lora.py): the slot-sorted layout checked by hand, the torch reference
-(core/lora/layers.py `add_lora_torch`) against a gather-every-token formula, and the Triton shrink/expand
-against that reference on mixed batches: base-model rows (slot -1), slots of several ranks zero-padded to the
-pool's rank, packed slices, empty segments, unsorted tokens, split-K.
+"""The multi-LoRA kernels (kernels/lora.py, kernels/lora_dense.py): the slot-sorted layout checked by hand, the
+torch reference (core/lora/layers.py `add_lora_torch`) against a gather-every-token formula, and the Triton
+shrink/expand and the dense products against that reference on mixed batches: base-model rows (slot -1), slots
+of several ranks zero-padded to the pool's rank, packed slices, empty segments, unsorted tokens, split-K. The
+pools are stored as the layers store them (slot-second), every path reading their slot-first views.
 
 Without CUDA the kernels run in Triton's interpreter on small shapes (float32, float16: the interpreter has no
 bf16 tl.dot); `-m gpu` adds bf16 at Qwen3-8B's q|k|v shape and a CUDA-graph capture."""
@@ -16,6 +17,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from nanovllm.kernels.lora import LoRATiles, add_lora, sort_tokens_by_slot
+from nanovllm.kernels.lora_dense import add_lora_dense
 from nanovllm.lora.layers import add_lora_torch
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -41,7 +43,9 @@ class Pool:
             for i, rank in enumerate(slot_ranks):
                 self.a[slot, i, rank:] = 0
                 self.b[slot, starts[i]:starts[i + 1], rank:] = 0
-        self.a, self.b = self.a.to(dtype), self.b.to(dtype)
+        # slot-second storage, slot-first views (as core/lora/layers.py keeps them)
+        self.a = self.a.to(dtype).transpose(0, 1).contiguous().transpose(0, 1)
+        self.b = self.b.to(dtype).transpose(0, 1).contiguous().transpose(0, 1)
         self.ranks = torch.tensor(ranks, dtype=torch.int32, device=DEVICE)
         self.scales = torch.rand(num_slots, num_slices, generator=torch.Generator().manual_seed(seed + 2)).to(DEVICE) + 0.5
         self.starts_device = torch.tensor(starts, dtype=torch.int32, device=DEVICE)
@@ -50,6 +54,10 @@ class Pool:
         batch = sort_tokens_by_slot(slots, len(self.ranks), block_m)
         return add_lora(y, x, self.a, self.b, self.ranks, self.scales, self.starts_device, max(self.widths), batch,
                         tiles)
+
+    def dense(self, y, x, slots):
+        onehot = (slots[:, None] == torch.arange(len(self.ranks), device=DEVICE)[None]).float()
+        return add_lora_dense(y, x, self.a, self.b, self.scales, self.starts, onehot)
 
     def reference(self, y, x, slots):
         return add_lora_torch(y, x, self.a, self.b, self.scales, self.starts, slots)
@@ -129,6 +137,32 @@ def test_kernels_match_torch_reference(case, dtype, tolerance):
     assert torch.equal(out[base], y[base])  # base-model rows are not touched
     if not base.all():
         assert relative_error(out, ref, y) < tolerance
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", CASES)
+def test_dense_update_matches_torch_reference(case, dtype, tolerance):
+    """The dense products on the same pools (torch ops: on the CPU in bf16 too)."""
+    make_slots, ranks, widths, in_features, max_rank, _ = CASES[case]
+    slots = make_slots()
+    pool = Pool(ranks, widths, in_features, max_rank, dtype, seed=3)
+    x = randn(len(slots), in_features, seed=7, dtype=dtype)
+    y = randn(len(slots), sum(widths), seed=8, dtype=dtype)
+    out = pool.dense(y.clone(), x, slots)
+    ref = pool.reference(y.clone(), x, slots)
+    base = slots < 0
+    assert torch.equal(out[base], y[base])  # base-model rows are not touched
+    if not base.all():
+        assert relative_error(out, ref, y) < tolerance
+
+
+def test_dense_update_pays_for_small_pools_only():
+    from nanovllm.kernels.lora_dense import DENSE_MAX_EXTRA, dense_extra_flops
+
+    # Qwen3-8B's q|k|v with 8 slots: rank 16 and 64 add 9 % and 38 % of its FLOPs, rank 256 150 %.
+    extra = [dense_extra_flops(8, 3, rank, 4096, 6144) for rank in (16, 64, 256)]
+    assert [round(e, 3) for e in extra] == [0.094, 0.375, 1.5]
+    assert [e <= DENSE_MAX_EXTRA for e in extra] == [True, True, False]
 
 
 def test_empty_batch():

@@ -64,13 +64,13 @@ def family_dirs(tmp_path_factory):
     return dirs
 
 
-def our_model(model_dir, use_kernels: bool, max_loras: int = 3):
+def our_model(model_dir, update: str, max_loras: int = 3):
     from transformers import AutoConfig
 
     hf_config = AutoConfig.from_pretrained(str(model_dir))
     model = model_class_for(hf_config)(hf_config).eval()
     load_safetensors_weights(model, model_dir)
-    return model, LoRALayers(model, max_loras, MAX_RANK, torch.float32, use_kernels=use_kernels)
+    return model, LoRALayers(model, max_loras, MAX_RANK, torch.float32, update=update)
 
 
 class PagedBatch:
@@ -140,11 +140,12 @@ def merged_references(family_dirs):
 
 
 @pytest.mark.parametrize("family, path", [
-    ("llama", "torch"), ("qwen3", "torch"), ("phi3", "torch"), ("qwen3", "triton"),
+    ("llama", "torch"), ("qwen3", "torch"), ("phi3", "torch"), ("qwen3", "triton"), ("llama", "dense"),
+    ("qwen3", "dense"), ("phi3", "dense"),
     pytest.param("llama", "triton", marks=pytest.mark.slow), pytest.param("phi3", "triton", marks=pytest.mark.slow)])
 def test_mixed_batch_logits_match_peft_merged(family, path, family_dirs, merged_references):
     model_dir, adapter_dirs = family_dirs[family]
-    model, lora = our_model(model_dir, use_kernels=path == "triton")
+    model, lora = our_model(model_dir, path)
     for adapter, slot in zip(adapter_dirs, SLOT_OF):
         lora.load(slot, load_adapter(adapter, MAX_RANK))
     slots = [-1 if a is None else SLOT_OF[a] for a in ROW_ADAPTERS]
@@ -166,7 +167,7 @@ def test_packed_projection_matches_peft_layers(family, family_dirs):
     from peft import PeftModel
 
     model_dir, adapter_dirs = family_dirs[family]
-    _, lora = our_model(model_dir, use_kernels=False)
+    _, lora = our_model(model_dir, "torch")
     peft_model = PeftModel.from_pretrained(load_hf_model(model_dir), str(adapter_dirs[0]), adapter_name="a0")
     peft_model.load_adapter(str(adapter_dirs[1]), adapter_name="a1")
     for adapter, slot in zip(adapter_dirs, SLOT_OF):
@@ -197,10 +198,10 @@ def test_reloading_a_slot_leaves_nothing_of_the_previous_adapter(family_dirs):
     """Adapter 1 (rank 16, some modules) then adapter 0 (rank 8, others) into one slot: the same slot contents
     as adapter 0 written into a fresh pool."""
     model_dir, adapter_dirs = family_dirs["llama"]
-    _, reused = our_model(model_dir, use_kernels=False)
+    _, reused = our_model(model_dir, "torch")
     reused.load(1, load_adapter(adapter_dirs[1], MAX_RANK))
     reused.load(1, load_adapter(adapter_dirs[0], MAX_RANK))
-    _, fresh = our_model(model_dir, use_kernels=False)
+    _, fresh = our_model(model_dir, "torch")
     fresh.load(1, load_adapter(adapter_dirs[0], MAX_RANK))
     for name, layer in reused.layers.items():
         for buffer in ("lora_a", "lora_b", "ranks", "scales"):
@@ -215,11 +216,11 @@ def test_adapter_of_another_base_model_is_refused(family_dirs, tmp_path):
 
     adapter = family_dirs["qwen3"][1][0]  # all projections of 2 layers, hidden 128, intermediate 256
     preset = json.loads((PRESETS / "tiny-llama.json").read_text())
-    _, lora = our_model(save_random_hf_model({**preset, "intermediate_size": 192}, tmp_path / "wider"), False)
+    _, lora = our_model(save_random_hf_model({**preset, "intermediate_size": 192}, tmp_path / "wider"), "torch")
     with pytest.raises(ValueError, match=r"layer model.layers.0.mlp.gate_up_proj: lora_A \(8, 128\) and lora_B "
                                          r"\(256, 8\) do not fit .*expected \(8, 128\) and \(192, 8\).*another base"):
         lora.load(0, load_adapter(adapter, MAX_RANK))
-    _, lora = our_model(save_random_hf_model({**preset, "num_hidden_layers": 1}, tmp_path / "shallow"), False)
+    _, lora = our_model(save_random_hf_model({**preset, "num_hidden_layers": 1}, tmp_path / "shallow"), "torch")
     with pytest.raises(ValueError, match=r"adapts model.layers.1.\S+, which this model has no linear layer for: "
                                          r".*another base model"):
         lora.load(0, load_adapter(adapter, MAX_RANK))
@@ -257,7 +258,7 @@ def test_tensor_parallel_shards_add_up_to_one_rank(monkeypatch):
         out = {}
         for name, layer in built.items():
             load_whole(layer.weight, layer.weight_loader, full[name])
-            out[name] = LoRALinear(layer, 2, MAX_RANK, torch.float32, step, use_kernels=False)
+            out[name] = LoRALinear(layer, 2, MAX_RANK, torch.float32, step, "torch")
             out[name].write_slot(1, adapters[name], name)
         return out
 

@@ -1,8 +1,9 @@
 """Adapters on nanovllm's linear layers: each column- or row-parallel projection of a model gets the device slots
 of its adapters (A [slots, slices, R, in], B [slots, out, R], with R = max_lora_rank, and a rank and a scale per
 slot and slice), and adds, after its own product, each token's update from the slot the step gives that token
-(-1: none). On CUDA the update is kernels/lora.py's two launches for the whole batch; elsewhere
-`add_lora_torch`, the same sum as plain torch ops (the CPU path and the kernels' reference).
+(-1: none). On CUDA the update is kernels/lora.py's: its dense products where the pool is small next to the
+projection, else its two grouped launches for the whole batch; elsewhere `add_lora_torch`, the same sum as plain
+torch ops slot by slot (the CPU path and the reference of both).
 
 A packed projection (q|k|v, gate|up) has one slice per part, each with its own A and its own columns of the
 output. An adapter module that covers the packed layer whole (Phi-3 checkpoints adapt `qkv_proj` as one) has one
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 from nanovllm.distributed import all_reduce
+from nanovllm.kernels.lora_dense import DENSE_MAX_EXTRA, add_lora_dense, dense_extra_flops
 from nanovllm.layers.fp8 import Fp8Activation
 from nanovllm.layers.linear import ColumnParallelLinear, LinearBase, RowParallelLinear
 from nanovllm.loaders.weights import checkpoint_target, load_whole
@@ -40,26 +42,32 @@ def add_lora_torch(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_
     return y
 
 
+# How a layer adds its update: the torch loop (add_lora_torch), the grouped Triton kernels, the dense products.
+UPDATES = ("torch", "triton", "dense")
+
+
 class StepSlots:
     """The adapter slot of each token of the current step, shared by every LoRA layer of a model (None: no token
-    of the step has an adapter, and the layers run as the base model). `batch`: its sorted layout for the kernels
-    (computed once per step)."""
+    of the step has an adapter, and the layers run as the base model). Computed once per step for every layer:
+    `batch`, its sorted layout for the grouped kernels; `onehot`, [tokens, slots] float32 for the dense update."""
 
     def __init__(self):
         self.token_slots: torch.Tensor | None = None
         self.batch = None
+        self.onehot: torch.Tensor | None = None
 
 
 class LoRALinear(nn.Module):
-    """A column- or row-parallel linear layer of nanovllm (`base`) with adapter slots (module docstring)."""
+    """A column- or row-parallel linear layer of nanovllm (`base`) with adapter slots (module docstring).
+    `update`: one of UPDATES; None chooses (on CUDA dense where kernels/lora.py says it pays, else triton; on
+    other devices torch)."""
 
     def __init__(self, base: LinearBase, max_loras: int, max_lora_rank: int, dtype: torch.dtype, step: StepSlots,
-                 use_kernels: bool):
+                 update: str | None = None):
         super().__init__()
         assert isinstance(base, (ColumnParallelLinear, RowParallelLinear))
         self.base = base
         self.step = step
-        self.use_kernels = use_kernels
         self.row_parallel = isinstance(base, RowParallelLinear)
         out_features, in_features = base.weight.shape
         full_out = base.weight.full_shape[0]
@@ -74,15 +82,32 @@ class LoRALinear(nn.Module):
         self.max_slice_width = max(widths)
         device = base.weight.device
         slices = len(widths)
-        self.register_buffer("lora_a", torch.zeros(max_loras, slices, max_lora_rank, in_features, dtype=dtype,
-                                                   device=device), persistent=False)
-        self.register_buffer("lora_b", torch.zeros(max_loras, out_features, max_lora_rank, dtype=dtype,
-                                                   device=device), persistent=False)
+        if update is None:
+            dense = dense_extra_flops(max_loras, slices, max_lora_rank, in_features, out_features) <= DENSE_MAX_EXTRA
+            update = ("dense" if dense else "triton") if device.type == "cuda" else "torch"
+        assert update in UPDATES, update
+        self.update = update
+        # Stored slot-second (the dense products read each slice's A and the whole B as one matrix); `lora_a` and
+        # `lora_b` are their slot-first views, which every path indexes.
+        self.register_buffer("lora_a_storage", torch.zeros(slices, max_loras, max_lora_rank, in_features,
+                                                           dtype=dtype, device=device), persistent=False)
+        self.register_buffer("lora_b_storage", torch.zeros(out_features, max_loras, max_lora_rank, dtype=dtype,
+                                                           device=device), persistent=False)
         self.register_buffer("ranks", torch.zeros(max_loras, slices, dtype=torch.int32, device=device), persistent=False)
         self.register_buffer("scales", torch.zeros(max_loras, slices, dtype=torch.float32, device=device),
                              persistent=False)
         self.register_buffer("slice_starts_device", torch.tensor(starts, dtype=torch.int32, device=device),
                              persistent=False)
+
+    @property
+    def lora_a(self) -> torch.Tensor:
+        """[slots, slices, R, in]"""
+        return self.lora_a_storage.transpose(0, 1)
+
+    @property
+    def lora_b(self) -> torch.Tensor:
+        """[slots, out, R]"""
+        return self.lora_b_storage.transpose(0, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.step.token_slots is None:
@@ -101,7 +126,9 @@ class LoRALinear(nn.Module):
 
     def add_update(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y += each token's adapter update of x, in place."""
-        if self.use_kernels:
+        if self.update == "dense":
+            return add_lora_dense(y, x, self.lora_a, self.lora_b, self.scales, self.slice_starts, self.step.onehot)
+        if self.update == "triton":
             from nanovllm.kernels.lora import add_lora
 
             return add_lora(y, x, self.lora_a, self.lora_b, self.ranks, self.scales, self.slice_starts_device,
@@ -149,33 +176,38 @@ class LoRALayers:
     weights are loaded: the wrappers move the layers' parameters under `.base`), the step's token slots they
     share, and the writing of an adapter into a slot.
 
-    `use_kernels`: the Triton kernels (default: on CUDA); else `add_lora_torch`."""
+    `update`: how every layer adds its update (`LoRALinear`'s; None: each layer chooses)."""
 
     def __init__(self, model: nn.Module, max_loras: int, max_lora_rank: int, dtype: torch.dtype,
-                 use_kernels: bool | None = None):
+                 update: str | None = None):
         self.model = model
         self.max_loras = max_loras
         self.step = StepSlots()
         self.layers: dict[str, LoRALinear] = {}
         for name, module in list(model.named_modules()):
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-                kernels = module.weight.is_cuda if use_kernels is None else use_kernels
-                wrapped = LoRALinear(module, max_loras, max_lora_rank, dtype, self.step, kernels)
+                wrapped = LoRALinear(module, max_loras, max_lora_rank, dtype, self.step, update)
                 parent, _, child = name.rpartition(".")
                 setattr(model.get_submodule(parent), child, wrapped)
                 self.layers[name] = wrapped
-        self.use_kernels = any(layer.use_kernels for layer in self.layers.values())
+        self.updates = {layer.update for layer in self.layers.values()}
+        self.slot_ids = torch.arange(max_loras, dtype=torch.int32,
+                                     device=next(iter(self.layers.values())).base.weight.device if self.layers else None)
 
     def set_step(self, token_slots: torch.Tensor | None) -> None:
         """The slot of each token of the next forward (-1: the base model), on the model's device; None when no
-        token has an adapter. On the kernel path this sorts the tokens by slot (device work, no host sync): call
-        it inside a captured decode graph, before the model."""
+        token has an adapter. This sorts the tokens by slot for the grouped kernels and makes the dense update's
+        one-hot (device work, no host sync): call it inside a captured decode graph, before the model."""
         self.step.token_slots = token_slots
-        self.step.batch = None
-        if token_slots is not None and self.use_kernels:
+        self.step.batch = self.step.onehot = None
+        if token_slots is None:
+            return
+        if "triton" in self.updates:
             from nanovllm.kernels.lora import sort_tokens_by_slot
 
             self.step.batch = sort_tokens_by_slot(token_slots, self.max_loras)
+        if "dense" in self.updates:
+            self.step.onehot = (token_slots[:, None] == self.slot_ids[None]).float()
 
     def check(self, adapter: LoRAAdapter) -> None:
         """Raise the ValueError `load` would (a module the model has no layer for, or matrices that do not fit

@@ -1,0 +1,46 @@
+"""The multi-LoRA update of kernels/lora.py by dense products, for pools whose adapters are small next to the
+projection: every token times every slot's A in one matrix product, each token's columns of other slots zeroed
+(and its own scaled), then one product per slice with every slot's B at once, added into the output by the
+library's GEMM.
+
+It spends FLOPs on the slots a token does not use (`dense_extra_flops`: the share they add to the base
+projection's), but a decode step is bound by reading weights, which both ways read alike, and a few library
+GEMMs cost less per step than the grouped kernels' gathers and partial sums. Where the pool is wide (many slots
+of a large rank, or a narrow projection) those FLOPs would count in prefill, and the grouped kernels run instead
+(`DENSE_MAX_EXTRA`).
+
+Its layout: A stored as [slices, slots, R, in] and B as [out, slots, R], so that each product reads one
+contiguous matrix. Torch ops only: no host synchronisation, any device, capturable in a CUDA graph."""
+from __future__ import annotations
+
+import torch
+
+# The dense update runs where its extra FLOPs stay below this share of the base projection's.
+DENSE_MAX_EXTRA = 0.5
+
+
+def dense_extra_flops(num_slots: int, num_slices: int, max_rank: int, in_features: int, out_features: int) -> float:
+    """The dense update's FLOPs over the base projection's: each token times every slot's A of every slice
+    (slots * slices * R columns of `in_features`) and every slot's B (slots * R per output column)."""
+    return num_slots * max_rank * (num_slices / out_features + 1 / in_features)
+
+
+def add_lora_dense(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                   scales: torch.Tensor, slice_starts: list[int], slot_onehot: torch.Tensor) -> torch.Tensor:
+    """`add_lora`'s update by dense products (module docstring), in place; returns y. lora_a: [slots, slices, R,
+    in] and lora_b: [slots, out, R], views of [slices, slots, R, in] and [out, slots, R] storage; scales (float32):
+    [slots, slices]; slot_onehot: [tokens, slots] float32, 1 at each token's slot (a base-model token's row is
+    zero); slice_starts: host ints. Any device, torch ops only."""
+    num_tokens, in_features = x.shape
+    num_slots, num_slices, max_rank, _ = lora_a.shape
+    a, b = lora_a.transpose(0, 1), lora_b.transpose(0, 1)
+    assert a.is_contiguous() and b.is_contiguous() and slot_onehot.shape == (num_tokens, num_slots)
+    if num_tokens == 0:
+        return y
+    width = num_slots * max_rank
+    shrunk = (x @ a.view(num_slices * width, in_features).T).view(num_tokens, num_slices, num_slots, max_rank)
+    token_scales = slot_onehot[:, None, :] * scales.T[None]  # [tokens, slices, slots]: 0 off the token's slot
+    torch.mul(shrunk, token_scales[..., None], out=shrunk)  # float32 product, one rounding to x's type
+    for i, (start, end) in enumerate(zip(slice_starts[:-1], slice_starts[1:])):
+        y[:, start:end].addmm_(shrunk[:, i].reshape(num_tokens, width), b[start:end].view(end - start, width).T)
+    return y
