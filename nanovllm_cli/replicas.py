@@ -20,12 +20,14 @@ engine runs, fed through a pipe:
 - failures: a replica isolates the row that fails a step as one engine does (job.EngineFeeder). A replica that
   dies (killed, crashed, out of memory, or an engine that cannot run any more) does not end the job. It tells
   the parent which rows enter its engine before the step that first runs them; when it dies, its rows not yet in
-  its engine go back to the queue, and each row that was in its engine becomes a *suspect*: suspects rerun on
-  replicas that hold no other suspect, beside ordinary rows, so a second death names the row that caused it. A
-  row in the engine of two replicas that died gets an error record (a poison row kills two replicas, not every
-  one). The dead replica is restarted, at most `max_restarts` times; the job ends (`ReplicaFailed`) only when
-  no replica is left. A replica reads EOF when the parent goes away and exits after its step; replicas ignore
-  SIGINT (the parent stops them).
+  its engine go back to the queue, and each row that was in its engine becomes a *suspect*. While ordinary rows
+  keep the replicas busy, suspects rerun one per replica beside them, so a second death names the row that
+  caused it and costs no throughput; once only suspects are left, they rerun in groups spread over the replicas
+  (a job's tail must not run them one by one), and the rows of a group that died together go alone next. A row
+  alone among the suspects of an engine that died, after an earlier death, gets an error record (a poison row
+  kills two or three replicas, not every one). The dead replica is restarted, at most `max_restarts` times;
+  the job ends (`ReplicaFailed`) only when no replica is left. A replica reads EOF when the parent goes away and
+  exits after its step; replicas ignore SIGINT (the parent stops them).
 """
 from __future__ import annotations
 
@@ -54,7 +56,6 @@ REPORT_INTERVAL_S = 0.5  # how often a replica sends its engine report (progress
 WAIT_S = 0.25  # longest wait for replicas' messages in one `step()` (the display ticks between)
 STOP_TIMEOUT_S = 30.0  # for replicas to leave after a stop message
 DEFAULT_RESTARTS = 3  # restarts of each replica after it died
-STRIKES = 2  # deaths with a row in the engine that give the row an error record
 AFFINITY_ENTRIES = 4096  # prefixes whose replica is remembered
 
 
@@ -154,7 +155,7 @@ class Replica:
     outstanding: dict[str, int] = field(default_factory=dict)  # request id -> its tokens (prompt + max_tokens)
     outstanding_tokens: int = 0
     in_engine: set[str] = field(default_factory=set)  # outstanding ids the replica reported in its engine
-    suspect: str | None = None  # the one suspect row it may hold
+    suspects: set[str] = field(default_factory=set)  # the one group of suspect rows it may hold
     withdrawing: bool = False  # asked to give back queued rows, no answer yet
     restarts: int = 0
     rows: int = 0  # rows answered (or refused) by it
@@ -216,13 +217,13 @@ class ReplicaPool:
         self.pending: deque[list[RowRequest]] = deque()  # groups not yet sent to a replica
         self.suspects: deque[RowRequest] = deque()  # rows that were in the engine of a replica that died
         self.strikes: dict[str, list[str]] = {}  # row id -> the deaths it was in an engine for
-        self.convicted: list[Finished] = []  # rows with STRIKES deaths, to be answered with error records
+        self.convicted: list[Finished] = []  # rows alone in an engine at a death, to be answered with errors
         self.requests: dict[str, tuple[RowRequest, Replica]] = {}
         self.affinity: OrderedDict[tuple[int, ...], int] = OrderedDict()  # a prefix's first block -> replica index
         self.failure: ReplicaFailed | None = None  # to raise once the rows finished with it are out
         self.deaths = 0
         self.rows_rerun = 0  # rows of dead replicas sent again
-        self.rows_given_up = 0  # rows in the engine at STRIKES deaths: error records
+        self.rows_given_up = 0  # rows given error records for the deaths they were in
         self.events: list[str] = []
         self.info: EngineInfo | None = None
         self.block_size = self.chunk = self.room = 0
@@ -295,7 +296,7 @@ class ReplicaPool:
     # ---- the Engine interface -------------------------------------------------------------------------------------
 
     def wants_rows(self) -> bool:
-        if self.failure is not None or self.pending or self.suspects:
+        if self.failure is not None or self.pending:
             return False
         ready = [r for r in self.replicas if r.state == "ready"]
         return not ready or any(len(r.outstanding) < self.room for r in ready)
@@ -394,6 +395,7 @@ class ReplicaPool:
         in_engine = replica.in_engine if in_engine is None else in_engine
         self.deaths += 1
         queued, suspects, given_up = [], 0, 0
+        alone = len(replica.suspects & in_engine) == 1  # the one suspect it ran, beside ordinary rows only
         for rid in list(replica.outstanding):
             request, _ = self.requests.pop(rid)
             if rid not in in_engine:
@@ -401,7 +403,7 @@ class ReplicaPool:
                 continue
             strikes = self.strikes.setdefault(rid, [])
             strikes.append(what)
-            if len(strikes) >= STRIKES:
+            if alone and rid in replica.suspects:
                 given_up += 1
                 del self.strikes[rid]
                 self.convicted.append((request, RowFailure(
@@ -416,7 +418,7 @@ class ReplicaPool:
         replica.outstanding.clear()
         replica.outstanding_tokens = 0
         replica.in_engine = set()
-        replica.suspect = None
+        replica.suspects = set()
         replica.withdrawing = False
         if replica.report is not None:
             replica.past_reports.append(replica.report)
@@ -427,7 +429,7 @@ class ReplicaPool:
         else:
             replica.state = "retired"
             action = f"it is not restarted (it died {replica.restarts + 1} times)"
-        rows = (f"rows run again: {suspects} from its engine (one per replica), {len(queued)} queued"
+        rows = (f"rows run again: {suspects} from its engine (as suspects), {len(queued)} queued"
                 + (f"; {given_up} rows in the engine at an earlier death too get error records" if given_up else ""))
         self._event(f"{what}; {rows}; {action}")
         if not self._live():
@@ -452,19 +454,32 @@ class ReplicaPool:
     def _dispatch(self) -> None:
         ready = [r for r in self.replicas if r.state == "ready"]
         while self.suspects:
-            free = [r for r in ready if r.suspect is None and len(r.outstanding) < self.room]
+            free = [r for r in ready if not r.suspects and len(r.outstanding) < self.room]
             if not free:
                 break
             replica = min(free, key=lambda r: r.outstanding_tokens)
-            request = self.suspects.popleft()
-            replica.suspect = request.id
-            self._send(replica, [request])
+            group = self._next_suspects(len(ready))
+            replica.suspects = {request.id for request in group}
+            self._send(replica, group)
         while self.pending:
             open_ = [r for r in ready if len(r.outstanding) < self.room]
             if not open_:
                 return
             group = self.pending.popleft()
             self._send(self._choose(open_, group), group)
+
+    def _next_suspects(self, replicas: int) -> list[RowRequest]:
+        """The next group of suspects for one replica: a row that died in a group goes alone, as does every
+        suspect while ordinary rows are queued or running (alone, a second death names the row at no cost);
+        with nothing else left, the suspects of a single earlier death are spread over the replicas in groups."""
+        first = self.suspects.popleft()
+        busy = bool(self.pending) or any(len(r.outstanding) > len(r.suspects) for r in self.replicas)
+        if busy or len(self.strikes.get(first.id, ())) > 1:
+            return [first]
+        group, size = [first], -(-(len(self.suspects) + 1) // replicas)
+        while self.suspects and len(group) < size and len(self.strikes.get(self.suspects[0].id, ())) <= 1:
+            group.append(self.suspects.popleft())
+        return group
 
     def _choose(self, open_: list[Replica], group: list[RowRequest]) -> Replica:
         """The least busy replica, or the one that last ran this prefix if it is at most this group's tokens
@@ -509,8 +524,7 @@ class ReplicaPool:
             for rid in ids:
                 request, _ = self.requests.pop(rid)
                 replica.outstanding_tokens -= replica.outstanding.pop(rid)
-                if replica.suspect == rid:
-                    replica.suspect = None
+                replica.suspects.discard(rid)
                 if rid in self.strikes:
                     self.suspects.appendleft(request)
                 else:
@@ -532,8 +546,7 @@ class ReplicaPool:
         request, _ = self.requests.pop(request_id)
         replica.outstanding_tokens -= replica.outstanding.pop(request_id)
         replica.in_engine.discard(request_id)
-        if replica.suspect == request_id:
-            replica.suspect = None
+        replica.suspects.discard(request_id)
         self.strikes.pop(request_id, None)
         replica.rows += 1
         if not isinstance(result, RowFailure) and not result.error:

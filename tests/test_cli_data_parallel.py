@@ -375,7 +375,7 @@ def test_dispatch_sends_each_group_whole_to_the_replica_with_the_fewest_outstand
     assert len(pool.requests) == 12 and "short0" not in pool.requests
 
 
-def test_suspects_go_one_per_replica_and_a_prefix_returns_to_its_replica():
+def test_suspects_go_alone_beside_other_rows_in_groups_at_the_tail_and_a_prefix_returns_to_its_replica():
     from collections import deque
 
     from nanovllm import SamplingParams
@@ -390,15 +390,27 @@ def test_suspects_go_one_per_replica_and_a_prefix_returns_to_its_replica():
         return [[[r.id for r in g] for m in replica.send_end.sent for g in m[1]] for replica in pool.replicas]
 
     pool = idle_pool(2, max_num_seqs=4)
-    pool.suspects.extend(row(f"s{i}", [i + 1] * 3) for i in range(3))
+    pool.add([PrefixGroup(deque([row(f"plain{i}", [9] * 3)])) for i in range(2)])  # ordinary rows in flight
+    suspects = [row(f"s{i}", [i + 1] * 3) for i in range(3)]
+    pool.strikes = {r.id: ["an earlier death"] for r in suspects}
+    pool.suspects.extend(suspects)
     pool._dispatch()
-    # Rows that were in a dead replica's engine: one per replica, so a second death names the row that caused it.
-    assert sent(pool) == [[["s0"]], [["s1"]]] and [r.id for r in pool.suspects] == ["s2"]
-    pool.add([PrefixGroup(deque([row("plain", [9] * 3)]))])  # ordinary rows flow beside the suspects
-    assert sent(pool)[0][-1] == ["plain"] or sent(pool)[1][-1] == ["plain"]
+    # Rows that were in a dead replica's engine, while other rows run: one per replica, so that a second death
+    # names the row that caused it; more ordinary rows still flow beside them.
+    assert [m[-1] for m in sent(pool)] == [["s0"], ["s1"]] and [r.id for r in pool.suspects] == ["s2"]
+    assert pool.wants_rows()
     pool._finish(pool.replicas[1], "s1", RowFailure("answered", 500))
     pool._dispatch()
     assert sent(pool)[1][-1] == ["s2"] and not pool.suspects
+
+    pool = idle_pool(2, max_num_seqs=4)
+    pool.strikes = {r.id: ["an earlier death"] for r in suspects}
+    pool.strikes["s2"].append("a death in a group")
+    pool.suspects.extend(suspects + [row("s3", [4] * 3)])
+    pool.strikes["s3"] = ["an earlier death"]
+    pool._dispatch()
+    # Nothing else to run: the suspects of one death spread in groups; a row that died in a group goes alone.
+    assert sent(pool) == [[["s0", "s1"]], [["s2"]]] and [r.id for r in pool.suspects] == ["s3"]
 
     pool = idle_pool(2, max_num_seqs=4)
     prefix = [5] * 16  # one KV block; each row below: 17 prompt tokens + 10 = 27 outstanding
@@ -444,3 +456,47 @@ def test_an_idle_replica_gets_half_the_rows_queued_on_the_busiest():
     pool._dispatch()
     assert pool.replicas[1].send_end.sent[-1][1][0][0].id == "r3" and not pool.replicas[0].withdrawing
     assert sorted(pool.replicas[0].outstanding) == ["r0", "r1", "r2"] and sorted(pool.requests) == ["r0", "r1", "r2", "r3"]
+
+
+def test_a_group_that_died_together_goes_alone_and_a_lone_suspect_gets_an_error_record(monkeypatch):
+    """ReplicaPool._lost's verdicts: rows of a suspect group in the engine at a death are not convicted (any of
+    them may be the cause): they run alone next; a suspect alone in an engine that dies gets its error record,
+    the ordinary rows beside it become suspects."""
+    from types import SimpleNamespace
+
+    from nanovllm import SamplingParams
+    from nanovllm_cli.job import RowFailure
+    from nanovllm_cli.replicas import ReplicaPool
+    from nanovllm_cli.rows import RowRequest
+
+    def row(name):
+        return RowRequest(name, "line 1", "token_ids", [], SamplingParams(max_tokens=4), token_ids=[3, 4])
+
+    pool = idle_pool(2, max_num_seqs=4)
+    pool.max_restarts, pool.deaths, pool.rows_rerun, pool.rows_given_up = 3, 0, 0, 0
+    pool.events, pool.convicted, pool.on_event = [], [], lambda message: None
+    monkeypatch.setattr(ReplicaPool, "_reap", lambda self, replica: None)
+    monkeypatch.setattr(ReplicaPool, "_spawn", lambda self, replica: None)
+    for replica in pool.replicas:
+        replica.process = SimpleNamespace(pid=100 + replica.index)
+    replica = pool.replicas[0]
+
+    def die(in_engine):
+        pool._lost(replica, "died", set(in_engine))
+        replica.state = "ready"
+
+    group = [row("s0"), row("s1"), row("s2")]
+    pool.strikes = {r.id: ["an earlier death"] for r in group}
+    replica.suspects = {r.id for r in group}
+    pool._send(replica, group)
+    die(["s0", "s1"])  # two of the group in the engine, s2 still queued there
+    assert not pool.convicted and [r.id for r in pool.suspects] == ["s0", "s1", "s2"]
+    assert [len(pool.strikes[i]) for i in ("s0", "s1", "s2")] == [2, 2, 1]
+
+    pool.suspects.clear()
+    replica.suspects = {"s0"}
+    pool._send(replica, [group[0], row("plain")])
+    die(["s0", "plain"])  # s0 alone among suspects, beside an ordinary row
+    assert [(r.id, type(failure)) for r, failure in pool.convicted] == [("s0", RowFailure)]
+    assert pool.convicted[0][1].message.startswith("3 replicas died with this row in their engine")
+    assert [r.id for r in pool.suspects] == ["plain"] and pool.rows_given_up == 1
