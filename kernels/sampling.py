@@ -41,7 +41,12 @@ Passes by kind of row:
   the bracket pass with the draw over x >= b fused in. a and b are the sample's quantiles six standard deviations
   of the estimate below and above the threshold's estimated rank (capped so the bracket holds about 0.3 G
   tokens), tightened by the lane maxima (the mass at or above the lane maxima >= v is a lower bound of
-  mass(x >= v)); a row with at most G finite logits gathers them all. The bracket pass measures all the bracket
+  mass(x >= v)); a row with at most G finite logits gathers them all. Two top-p rows get another bracket: one
+  whose estimated threshold lies below its min-p threshold gets [tau_min, +inf) when the tokens above tau_min fit
+  (a top-heavy row's mass estimate is too loose to bracket a low top-p threshold, and min-p decides there
+  unless the scratch shows otherwise); one whose estimate is the value of a large tie group (low-precision
+  logits) gets two groups, that one and its neighbour on the side where the sample's mass lies nearer the
+  target, the lower counted at a and the upper gathered. The bracket pass measures all the bracket
   needs to be checked (count and mass at or above b, in the scratch, tied at a). A row whose bracket missed
   (its sample laid out against the row, e.g. every logit but the sampled ones high; none of the kinds
   scripts/bench_sampler.py times) takes the exact search instead, in the same kernel (`_search_row`: up to
@@ -413,7 +418,7 @@ def _finish(scratch_row, n, a, b, tie_count, tie_best, tie_token, above_count, a
         elif covers_bottom:  # rounding left the whole mass short of the target: keep every survivor
             tau_p = tl.minimum(_scratch_min(scratch_row, n, survivors_key, CHUNK),
                                tl.where(tie_count > 0, a, float("inf")))
-        else:
+        elif tau_min < a:  # tau_p lies below a; at or above it, min-p's threshold would decide alone
             failed = tl.full([], 1, tl.int32)
     tau = tl.maximum(tl.maximum(tau_k, tau_p), tau_min)
     top, top_token = _scratch_draw(scratch_row, n, tau, inv_t, row_key, vocab, CHUNK)
@@ -516,12 +521,21 @@ def _spread(rank, count, effective):
 
 
 @triton.jit
-def _wide_bracket(lane_max, sample, row_max, inv_t, finite, total_mass, k_target, topk_on, p, topp_on, G,
+def _fits(samples, per_sample, slots):
+    """Whether the tokens that `samples` of the sample stand for fit in `slots`, six standard deviations over."""
+    return (samples + 6.0 * tl.sqrt(samples) + 8.0) * per_sample <= slots
+
+
+@triton.jit
+def _wide_bracket(lane_max, sample, row_max, inv_t, finite, total_mass, k_target, topk_on, p, topp_on, tau_min, G,
                   BLOCK: tl.constexpr):
     """[a, b) and whether many tokens may tie at a, from the sample and the lane maxima (see the module
     docstring): a at about 6 standard deviations of the estimate below the threshold's estimated rank among the
     samples, b as far above; each sample stands for finite / count tokens, and the half-width is capped so the
-    bracket holds about 0.3 G tokens."""
+    bracket holds about 0.3 G tokens. A top-p row whose estimated threshold lies below its min-p threshold,
+    which few enough tokens reach, gets [tau_min, +inf) instead: the scratch then holds every token min-p keeps,
+    and the top-p threshold is found there or proved below tau_min (min-p decides). A top-heavy row's mass
+    estimate is too loose for a bracket of 0.3 G tokens around a low top-p threshold, and min-p makes it moot."""
     valid = sample > float("-inf")
     ones = valid.to(tl.float32)
     count = tl.sum(ones, axis=0)
@@ -564,6 +578,34 @@ def _wide_bracket(lane_max, sample, row_max, inv_t, finite, total_mass, k_target
             a = tl.maximum(a_p, lowest)
             b = b_p
             below_b = below_p
+            estimate = _value_of(threshold)
+            tied = tl.sum(tl.where(sample == estimate, ones, 0.0), axis=0)
+            if (survivors > 0.0) & (tied * per_sample > 0.25 * G):
+                # The estimate is the value of a large tie group (low-precision logits), which a bracket of
+                # rank quantiles would hold whole and overflow the scratch. Bracket two groups instead, the
+                # lower one counted at a and the upper one gathered: the estimate's and the neighbour on the
+                # side where the sample's mass lies nearest the target (the threshold moves a group only there).
+                up = tl.min(tl.where(sample > estimate, sample, float("inf")), axis=0)
+                up2 = tl.min(tl.where(sample > up, sample, float("inf")), axis=0)
+                down = tl.max(tl.where(sample < estimate, sample, float("-inf")), axis=0)
+                target = p * survivors
+                above_group = tl.sum(tl.where(sample > estimate, sample_mass, 0.0), axis=0)
+                with_group = tl.sum(tl.where(sample >= estimate, sample_mass, 0.0), axis=0)
+                up_count = tl.sum(tl.where(sample == up, ones, 0.0), axis=0)
+                a = estimate
+                b = up
+                if target - above_group < with_group - target:
+                    if _fits(up_count, per_sample, G):
+                        b = up2
+                elif _fits(tied, per_sample, G) & (down > float("-inf")):
+                    a = down
+                a = tl.maximum(a, lowest)
+                below_b = tl.max(tl.where(sample < b, sample, float("-inf")), axis=0)
+            above_min = tl.sum(tl.where(sample >= tau_min, ones, 0.0), axis=0)
+            if (_value_of(threshold) < tau_min) & _fits(above_min, per_sample, 0.3 * G):
+                a = tau_min
+                b = tl.full([], float("inf"), tl.float32)
+                below_b = b
         # b at or below that bound: the sample missed the top of the row (a few heavy tokens), b says nothing
         b = tl.where(b > lowest, b, float("inf"))
     b = tl.where(b > a, b, float("inf"))
@@ -615,7 +657,7 @@ def _wide_row(base, vocab, temperature, inv_t, k, p, minimum_p, row_key, topk_on
         ties = finite < 0
         if finite > G:  # else every finite logit fits in the scratch
             a, b, ties = _wide_bracket(lane_max, sample, row_max, inv_t, finite, total_mass, k_target, topk_on, p,
-                                       topp_on, G, BLOCK)
+                                       topp_on, tau_min, G, BLOCK)
         floor = tl.maximum(b, tau_min)
         draw = floor < float("inf")
         n, tie_count, tie_best, tie_token, above_count, above_mass, best, best_token = _bracket_pass(

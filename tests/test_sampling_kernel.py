@@ -185,6 +185,23 @@ def test_gpu_kernel_equals_torch_path_at_real_shape(dtype):
     assert (kernel == reference).float().mean().item() >= 63 / 64, (kernel, reference)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["normal", "ties_bf16"])
+def test_top_p_rows_at_real_shape_stay_on_the_bounded_path(kind):
+    """The rows of the GPU test below that take the wide kernel's sampled bracket (top-p without top-k), at the
+    real shape: a top-heavy row whose min-p threshold lies far above its top-p threshold, and low-precision logits
+    whose threshold falls in a tie group of thousands of tokens, both once took the exact search."""
+    vocab = 151936
+    every = SETTINGS * 4
+    logits = BENCH.logits_of_kind(kind, len(every), vocab, torch.Generator().manual_seed(1))
+    rows = [i for i, (_, k, p, _) in enumerate(every) if k is None and p < 1]
+    logits = logits[rows].to(DEVICE, BENCH.kind_dtype(kind))
+    t = tensors([every[i] for i in rows], vocab, seeds=torch.tensor(rows) * 7919 - 5, positions=torch.tensor(rows))
+    _, searched, out = run_stages(logits, t, block=sampling.DEFAULT_BLOCK, narrow=sampling.NARROW_K)
+    assert not searched.any(), [every[rows[i]] for i in searched.nonzero()]
+    assert (out == reference_sample(logits, t)).float().mean().item() >= 23 / 24
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", KINDS)
 def test_gpu_every_kind_at_real_shape_on_its_bounded_path(kind):
