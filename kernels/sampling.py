@@ -40,7 +40,8 @@ Passes by kind of row:
   the lane maxima and a sample of one logit per lane, lane j sampling block j mod the number of blocks), then
   the bracket pass with the draw over x >= b fused in. a and b are the sample's quantiles six standard deviations
   of the estimate below and above the threshold's estimated rank (capped so the bracket holds about 0.3 G
-  tokens), tightened by the lane maxima (the mass at or above the lane maxima >= v is a lower bound of
+  tokens; a top-p threshold is estimated from its share of the sampled mass, or, where that is tighter, from the
+  mass the sample puts below it against the row's exact mass), tightened by the lane maxima (the mass at or above the lane maxima >= v is a lower bound of
   mass(x >= v)); a row with at most G finite logits gathers them all. Two top-p rows get another bracket: one
   whose estimated threshold lies below its min-p threshold gets [tau_min, +inf) when the tokens above tau_min fit
   (a top-heavy row's mass estimate is too loose to bracket a low top-p threshold, and min-p decides there
@@ -565,10 +566,24 @@ def _wide_bracket(lane_max, sample, row_max, inv_t, finite, total_mass, k_target
         lowest = tl.where(tl.sum(lane_mass, axis=0) >= p * total_mass, _value_of(lowest_key), float("-inf"))
         # no sampled mass (all of it above the samples, or underflowed): the threshold lies above every sample
         threshold = tl.where(survivors > 0.0, threshold, U_TOP)
-        rank = tl.sum(tl.where(keys >= threshold, ones, 0.0), axis=0)
         squares = tl.sum(sample_mass * sample_mass, axis=0)
         effective = tl.where(squares > 0.0, survivors / tl.sqrt(squares), 1.0)
-        spread = tl.minimum(_spread(rank, count, tl.minimum(tl.maximum(effective * effective, 1.0), count)), widest)
+        spread = _spread(tl.sum(tl.where(keys >= threshold, ones, 0.0), axis=0), count,
+                         tl.minimum(tl.maximum(effective * effective, 1.0), count))
+        # Top-p alone: M is exact (the stats pass), so the sample may estimate the mass below the threshold
+        # instead of the threshold's share of the sampled mass. Where a few heavy tokens make that share loose
+        # and the threshold lies deep in a flat tail (p near 1), the tail's many light samples pin it far
+        # tighter: a mass error of sqrt(sum of their squared weights) moves it by that over its own weight.
+        allowed = (1.0 - p) * total_mass / per_sample
+        tail_key = tl.where(survivors > allowed, _select(keys, sample_mass, survivors - allowed),
+                            tl.min(tl.where(valid, keys, U_TOP), axis=0))
+        tail_squares = tl.sum(tl.where(keys < tail_key, sample_mass * sample_mass, 0.0), axis=0)
+        tail_weight = tl.exp((_value_of(tail_key) - row_max) * inv_t)
+        tail_spread = tl.where(tail_weight > 0.0, 6.0 * tl.sqrt(tail_squares) / tail_weight + 8.0, float("inf"))
+        use_tail = (tail_spread < spread) & (topk_on == 0) & (survivors > 0.0)
+        threshold = tl.where(use_tail, tail_key, threshold)
+        spread = tl.minimum(tl.where(use_tail, tail_spread, spread), widest)
+        rank = tl.sum(tl.where(keys >= threshold, ones, 0.0), axis=0)
         a_p, b_p, below_p = _rank_bracket(keys, ones, sample, count, tl.math.ceil(rank + spread),
                                           tl.math.floor(rank - spread))
         if topk_on:  # the bracket spans both thresholds: top-k's bottom, top-p's top

@@ -186,11 +186,12 @@ def test_gpu_kernel_equals_torch_path_at_real_shape(dtype):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["normal", "ties_bf16"])
+@pytest.mark.parametrize("kind", ["normal", "zipf", "ties_bf16"])
 def test_top_p_rows_at_real_shape_stay_on_the_bounded_path(kind):
     """The rows of the GPU test below that take the wide kernel's sampled bracket (top-p without top-k), at the
-    real shape: a top-heavy row whose min-p threshold lies far above its top-p threshold, and low-precision logits
-    whose threshold falls in a tie group of thousands of tokens, both once took the exact search."""
+    real shape: a top-heavy row whose min-p threshold lies far above its top-p threshold, a threshold far down a
+    Zipf tail (p 0.999), and low-precision logits whose threshold falls in a tie group of thousands of tokens all
+    once took the exact search."""
     vocab = 151936
     every = SETTINGS * 4
     logits = BENCH.logits_of_kind(kind, len(every), vocab, torch.Generator().manual_seed(1))
