@@ -4,10 +4,10 @@ shard with its manifest (`shards.py`).
 The actor does what `nanovllm run --data-parallel-size 1` does on one host: it reads a part's rows with `run`'s
 reader and parser, tokenizes them and runs them through `job.BatchRunner` into a `replicas.ReplicaPool` of one
 replica: the engine runs in a child process. So an engine that crashes takes down the child, not the actor: the
-actor restarts it and reruns its rows, and a row that was in the engine at two crashes gets an error record (see
-replicas.py), while the part goes on. An actor that dies (its node lost) is the driver's to handle
-(`ray_scheduler.py`). Before loading the model, `start` checks that this node can write OUTPUT and has the model
-(a local path), so a node that cannot fails in seconds, naming itself.
+actor restarts it and reruns its rows, and a row that crashes the engine again when rerun without the other
+suspects gets an error record (see replicas.py), while the part goes on. An actor that dies (its node lost) is
+the driver's to handle (`ray_scheduler.py`). Before loading the model, `start` checks that this node can write
+OUTPUT and has the model (a local path), so a node that cannot fails in seconds, naming itself.
 """
 from __future__ import annotations
 
