@@ -41,8 +41,9 @@ Passes by kind of row:
   the bracket pass with the draw over x >= b fused in. a and b are the sample's quantiles six standard deviations
   of the estimate below and above the threshold's estimated rank (capped so the bracket holds about 0.3 G
   tokens; a top-p threshold is estimated from its share of the sampled mass, or, where that is tighter, from the
-  mass the sample puts below it against the row's exact mass), tightened by the lane maxima (the mass at or above the lane maxima >= v is a lower bound of
-  mass(x >= v)); a row with at most G finite logits gathers them all. Two top-p rows get another bracket: one
+  mass the sample puts below it against the row's exact mass), tightened by the lane maxima (the mass at or
+  above the lane maxima >= v is a lower bound of mass(x >= v)); a row with at most G finite logits gathers them
+  all. Two top-p rows get another bracket: one
   whose estimated threshold lies below its min-p threshold gets [tau_min, +inf) when the tokens above tau_min fit
   (a top-heavy row's mass estimate is too loose to bracket a low top-p threshold, and min-p decides there
   unless the scratch shows otherwise); one whose estimate is the value of a large tie group (low-precision

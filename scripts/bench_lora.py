@@ -7,7 +7,7 @@ Per rank and batch size: --adapters adapters of that rank (in a pool of --max-lo
 round-robin over the rows, every --base-every-th row on the base model (0: none). Device time from CUDA events
 (median of --repeats after a warm-up) of each projection's base matmul (F.linear) and of its LoRA update
 (`add_lora`: shrink + expand; `add_lora_dense`), and of the step's token sort (`sort_tokens_by_slot`, once
-per step for every layer) and one-hot (the dense update's). `layer_ratio` and `dense_layer_ratio`: base time /
+per step for every layer) and slot mask (the dense update's). `layer_ratio` and `dense_layer_ratio`: base time /
 (base + update time) over the layer's four projections with the per-step work spread over --layers layers: the
 share of the linear layers' throughput that adapters keep (attention excluded). Eager launches: at small batches
 the host's launch time, not the device's, may decide a figure (a decode step replays a CUDA graph).
@@ -34,9 +34,9 @@ def projections(hidden: int, inter: int, q_heads: int, kv_heads: int, head_dim: 
             "down_proj": (inter, [hidden])}
 
 
-def one_hot(slots: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
+def slot_mask(slots: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
     """The dense update's per-step input (core/lora/layers.py `LoRALayers.set_step`)."""
-    return (slots[:, None] == slot_ids[None]).float()
+    return slots[:, None] != slot_ids[None]
 
 
 def main() -> None:
@@ -83,10 +83,10 @@ def main() -> None:
             sorted_batch = sort_tokens_by_slot(slots, args.max_loras)
             sort_ms = median_cuda_ms(functools.partial(sort_tokens_by_slot, slots, args.max_loras), args.repeats)
             slot_ids = torch.arange(args.max_loras, device=device, dtype=torch.int32)
-            onehot_ms = median_cuda_ms(functools.partial(one_hot, slots, slot_ids), args.repeats)
-            onehot = one_hot(slots, slot_ids)
+            mask_ms = median_cuda_ms(functools.partial(slot_mask, slots, slot_ids), args.repeats)
+            off_slot = slot_mask(slots, slot_ids)
             row = {"rank": rank, "batch": batch, "block_m": sorted_batch.block_m, "sort_ms": sort_ms,
-                   "onehot_ms": onehot_ms}
+                   "mask_ms": mask_ms}
             base_total = lora_total = dense_total = 0.0
             for name, (in_features, _) in shapes.items():
                 pool = pools[name]
@@ -97,14 +97,14 @@ def main() -> None:
                     add_lora, y, x, pool["lora_a"], pool["lora_b"], pool["ranks"], pool["scales"], pool["slice_starts"],
                     pool["max_slice_width"], sorted_batch), args.repeats)
                 dense_ms = median_cuda_ms(functools.partial(
-                    add_lora_dense, y, x, pool["lora_a"], pool["lora_b"], pool["scales"], pool["starts_host"], onehot),
+                    add_lora_dense, y, x, pool["lora_a"], pool["lora_b"], pool["scales"], pool["starts_host"], off_slot),
                     args.repeats)
                 row[name] = {"base_ms": base_ms, "lora_ms": lora_ms, "dense_ms": dense_ms}
                 base_total += base_ms
                 lora_total += lora_ms
                 dense_total += dense_ms
             row["layer_ratio"] = base_total / (base_total + lora_total + sort_ms / args.layers)
-            row["dense_layer_ratio"] = base_total / (base_total + dense_total + onehot_ms / args.layers)
+            row["dense_layer_ratio"] = base_total / (base_total + dense_total + mask_ms / args.layers)
             print(json.dumps(row), file=out, flush=True)
 
 

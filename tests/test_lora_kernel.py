@@ -56,8 +56,8 @@ class Pool:
                         tiles)
 
     def dense(self, y, x, slots):
-        onehot = (slots[:, None] == torch.arange(len(self.ranks), device=DEVICE)[None]).float()
-        return add_lora_dense(y, x, self.a, self.b, self.scales, self.starts, onehot)
+        off_slot = slots[:, None] != torch.arange(len(self.ranks), device=DEVICE)[None]
+        return add_lora_dense(y, x, self.a, self.b, self.scales, self.starts, off_slot)
 
     def reference(self, y, x, slots):
         return add_lora_torch(y, x, self.a, self.b, self.scales, self.starts, slots)
@@ -154,6 +154,19 @@ def test_dense_update_matches_torch_reference(case, dtype, tolerance):
     assert torch.equal(out[base], y[base])  # base-model rows are not touched
     if not base.all():
         assert relative_error(out, ref, y) < tolerance
+
+
+def test_dense_update_keeps_one_slots_overflow_from_other_tokens():
+    """Every token is multiplied by every slot's A: a product that overflows in one slot (inf) must reach neither
+    the base-model rows nor the other adapters' (0 * inf would be NaN)."""
+    pool = Pool([[4], [4]], [6], in_features=8, max_rank=4, dtype=torch.float16, seed=0)
+    pool.a[1, 0, 0] = 60000.0  # x @ A of slot 1 overflows float16
+    slots = torch.tensor([0, -1, 1], device=DEVICE)
+    x = torch.ones(3, 8, dtype=torch.float16, device=DEVICE)
+    y = torch.zeros(3, 6, dtype=torch.float16, device=DEVICE)
+    out = pool.dense(y.clone(), x, slots)
+    assert torch.isfinite(out[:2]).all() and torch.equal(out[1], y[1])
+    assert relative_error(out[:1], pool.reference(y.clone(), x, slots)[:1], y[:1]) < 5e-3
 
 
 def test_dense_update_pays_for_small_pools_only():

@@ -49,12 +49,13 @@ UPDATES = ("torch", "triton", "dense")
 class StepSlots:
     """The adapter slot of each token of the current step, shared by every LoRA layer of a model (None: no token
     of the step has an adapter, and the layers run as the base model). Computed once per step for every layer:
-    `batch`, its sorted layout for the grouped kernels; `onehot`, [tokens, slots] float32 for the dense update."""
+    `batch`, its sorted layout for the grouped kernels; `off_slot`, [tokens, slots] bool (True where a token does
+    not use the slot) for the dense update."""
 
     def __init__(self):
         self.token_slots: torch.Tensor | None = None
         self.batch = None
-        self.onehot: torch.Tensor | None = None
+        self.off_slot: torch.Tensor | None = None
 
 
 class LoRALinear(nn.Module):
@@ -127,7 +128,7 @@ class LoRALinear(nn.Module):
     def add_update(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y += each token's adapter update of x, in place."""
         if self.update == "dense":
-            return add_lora_dense(y, x, self.lora_a, self.lora_b, self.scales, self.slice_starts, self.step.onehot)
+            return add_lora_dense(y, x, self.lora_a, self.lora_b, self.scales, self.slice_starts, self.step.off_slot)
         if self.update == "triton":
             from nanovllm.kernels.lora import add_lora
 
@@ -197,9 +198,9 @@ class LoRALayers:
     def set_step(self, token_slots: torch.Tensor | None) -> None:
         """The slot of each token of the next forward (-1: the base model), on the model's device; None when no
         token has an adapter. This sorts the tokens by slot for the grouped kernels and makes the dense update's
-        one-hot (device work, no host sync): call it inside a captured decode graph, before the model."""
+        slot mask (device work, no host sync): call it inside a captured decode graph, before the model."""
         self.step.token_slots = token_slots
-        self.step.batch = self.step.onehot = None
+        self.step.batch = self.step.off_slot = None
         if token_slots is None:
             return
         if "triton" in self.updates:
@@ -207,7 +208,7 @@ class LoRALayers:
 
             self.step.batch = sort_tokens_by_slot(token_slots, self.max_loras)
         if "dense" in self.updates:
-            self.step.onehot = (token_slots[:, None] == self.slot_ids[None]).float()
+            self.step.off_slot = token_slots[:, None] != self.slot_ids[None]
 
     def check(self, adapter: LoRAAdapter) -> None:
         """Raise the ValueError `load` would (a module the model has no layer for, or matrices that do not fit
