@@ -388,7 +388,7 @@ def _finish(scratch_row, n, a, b, tie_count, tie_best, tie_token, above_count, a
     """Every threshold of the row from its bracket: the n gathered tokens (in the scratch), the tokens tied at a
     (count, winner), those at or above b (count, mass, winner over x >= max(b, tau_min)), and the row's total mass
     (top-p without top-k). Then the draw. Returns the token, or SEARCH when the bracket does not hold a threshold
-    (below a, unless `covers_bottom`: nothing lies below a; at or above b)."""
+    (below a, unless `covers_bottom`: nothing lies below a, or tau_min >= a: min-p decides; at or above b)."""
     a_key = _key_of(a)
     # W(top_key) is what lies at or above b (the count and mass the caller checks against the targets)
     top_key = tl.minimum(_key_of(b), _key_of(row_max) + 1)
