@@ -123,37 +123,32 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.float16, 5e-3)], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("case", CASES)
-def test_kernels_match_torch_reference(case, dtype, tolerance):
+def check_against_reference(case, dtype, tolerance, path):
+    """`path` ("kernel" or "dense") on a case's pool and slots against the torch reference."""
     make_slots, ranks, widths, in_features, max_rank, tiles = CASES[case]
     slots = make_slots()
     pool = Pool(ranks, widths, in_features, max_rank, dtype, seed=3)
     x = randn(len(slots), in_features, seed=7, dtype=dtype)
     y = randn(len(slots), sum(widths), seed=8, dtype=dtype)
-    out = pool.kernel(y.clone(), x, slots, tiles)
+    out = pool.kernel(y.clone(), x, slots, tiles) if path == "kernel" else pool.dense(y.clone(), x, slots)
     ref = pool.reference(y.clone(), x, slots)
     base = slots < 0
     assert torch.equal(out[base], y[base])  # base-model rows are not touched
     if not base.all():
         assert relative_error(out, ref, y) < tolerance
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.float16, 5e-3)], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("case", CASES)
+def test_kernels_match_torch_reference(case, dtype, tolerance):
+    check_against_reference(case, dtype, tolerance, "kernel")
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", CASES)
 def test_dense_update_matches_torch_reference(case, dtype, tolerance):
     """The dense products on the same pools (torch ops: on the CPU in bf16 too)."""
-    make_slots, ranks, widths, in_features, max_rank, _ = CASES[case]
-    slots = make_slots()
-    pool = Pool(ranks, widths, in_features, max_rank, dtype, seed=3)
-    x = randn(len(slots), in_features, seed=7, dtype=dtype)
-    y = randn(len(slots), sum(widths), seed=8, dtype=dtype)
-    out = pool.dense(y.clone(), x, slots)
-    ref = pool.reference(y.clone(), x, slots)
-    base = slots < 0
-    assert torch.equal(out[base], y[base])  # base-model rows are not touched
-    if not base.all():
-        assert relative_error(out, ref, y) < tolerance
+    check_against_reference(case, dtype, tolerance, "dense")
 
 
 def test_dense_update_keeps_one_slots_overflow_from_other_tokens():
