@@ -78,7 +78,7 @@ class LLM(PoolingAPI, ChoicesAPI):
             self._startup_s = {"resolve": time.perf_counter() - started}
             self._workers = start_workers(self.config, resolved, self.max_model_len,  # tensor-parallel ranks 1..N-1
                                           self.pooling)
-            with self._workers.guard(watch=True) if self._workers else nullcontext():  # a worker's error, not a broken collective
+            with self._workers.build_guard() if self._workers else nullcontext():  # a worker's error, not a broken collective
                 self._runner = ModelRunner(self.config, resolved, self.max_model_len, sorted(self._eos_token_ids()),
                                            self.pooling)
         except BaseException:

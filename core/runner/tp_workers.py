@@ -10,7 +10,7 @@ worker processes that build the same model on their shard, then execute every st
 - the pipe is also the life line: a worker reports its traceback through it before it exits, and reads EOF when
   rank 0 goes away; a watchdog thread in each worker exits as soon as rank 0's process dies, so no worker outlives
   it. Rank 0 watches the workers' process sentinels before each step and while it waits for one, and a watchdog
-  thread watches them while rank 0 builds the model (`guard`), so a dead worker is noticed within milliseconds
+  thread watches them while rank 0 builds the model (`build_guard`), so a dead worker is noticed within milliseconds
   even when a collective would wait for it until it times out.
 - any failure or interrupt during a step stops every worker and the engine; `LLM.exit()`, the context manager
   and an atexit hook stop the workers in an orderly way.
@@ -193,29 +193,13 @@ class TPWorkers:
         return [w.conn for w in self.ranks] + [w.process.sentinel for w in self.ranks]
 
     @contextlib.contextmanager
-    def guard(self, watch: bool = False) -> Iterator[None]:
+    def guard(self) -> Iterator[None]:
         """Around rank 0's part of work all ranks share: if it fails or is interrupted, stop every worker, and
-        raise the workers' own error when one of them caused it. `watch`: a watchdog thread also aborts the
-        group's collectives when a worker fails meanwhile (the model's build, which waits in collectives that a
-        step's own waits do not watch); a step does without it, as a thread started and joined per step would
-        cost up to its poll interval each time."""
+        raise the workers' own error when one of them caused it."""
         if self.closed:
             raise TPWorkerError(f"the tensor-parallel engine is stopped: {self.failure or 'LLM.exit() was called'}")
-        failed, done = threading.Event(), threading.Event()
-        watchdog = None
-        if watch and tp_size() > 1:  # in the group: rank 0 may wait in a collective a failed worker never joins
-            watchdog = threading.Thread(target=self._abort_on_failure, args=(failed, done),
-                                        name="nanovllm-tp-watchdog", daemon=True)
-            watchdog.start()
         try:
-            try:
-                yield
-            finally:
-                done.set()
-                if watchdog is not None:
-                    watchdog.join()
-            if failed.is_set():  # rank 0 got through, on collectives the abort cut short
-                raise TPWorkerError(self._failures(_GRACE_S) or "a tensor-parallel worker failed")
+            yield
         except BaseException as exc:
             reported = isinstance(exc, TPWorkerError)
             if not reported:
@@ -230,8 +214,35 @@ class TPWorkers:
             self.failure = f"rank 0 raised {type(exc).__name__}: {exc}"
             raise
 
+    @contextlib.contextmanager
+    def build_guard(self) -> Iterator[None]:
+        """`guard` around the model's build, which waits in collectives that a step's own waits do not watch: a
+        watchdog thread also aborts the group's collectives when a worker fails meanwhile, and the failure is
+        raised once rank 0 gets through. Steps do without it: a thread started and joined per step would cost up
+        to its poll interval each time."""
+        with self.guard():
+            if tp_size() <= 1:  # not in the group: no collective to wait in
+                yield
+            else:
+                with self._watchdog():
+                    yield
+
+    @contextlib.contextmanager
+    def _watchdog(self) -> Iterator[None]:
+        failed, done = threading.Event(), threading.Event()
+        watchdog = threading.Thread(target=self._abort_on_failure, args=(failed, done), name="nanovllm-tp-watchdog",
+                                    daemon=True)
+        watchdog.start()
+        try:
+            yield
+        finally:
+            done.set()
+            watchdog.join()
+        if failed.is_set():  # rank 0 got through, on collectives the abort cut short
+            raise TPWorkerError(self._failures(_GRACE_S) or "a tensor-parallel worker failed")
+
     def _abort_on_failure(self, failed: threading.Event, done: threading.Event) -> None:
-        """While rank 0 works in `guard` (the model's build: weights, memory profile, graph capture, all with
+        """While rank 0 works in `build_guard` (the model's build: weights, memory profile, graph capture, all with
         collectives), cancel the group's collectives as soon as a worker reports an error or dies: rank 0 would
         otherwise wait in one for the collective timeout, with the worker's traceback unread in its pipe."""
         while not done.is_set():
