@@ -60,7 +60,7 @@ class StepSlots:
 
 class LoRALinear(nn.Module):
     """A column- or row-parallel linear layer of nanovllm (`base`) with adapter slots (module docstring).
-    `update`: one of UPDATES; None chooses (on CUDA dense where kernels/lora.py says it pays, else triton; on
+    `update`: one of UPDATES; None chooses (on CUDA dense where kernels/lora_dense.py says it pays, else triton; on
     other devices torch)."""
 
     def __init__(self, base: LinearBase, max_loras: int, max_lora_rank: int, dtype: torch.dtype, step: StepSlots,
