@@ -46,6 +46,33 @@ class _Sparse:
     bad_words: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None  # rows, slots, prefixes, last
 
 
+@dataclass
+class _RowEntries:
+    """One row's sparse controls as host arrays, built once when the row is filled: the entry lists of every
+    row are then joined by concatenation, so rows joining and leaving at every step of a stream cost what the
+    arrays hold, not a Python loop over every running row's entries."""
+
+    bias_tokens: np.ndarray  # int64
+    bias_values: np.ndarray  # float32
+    allowed: np.ndarray  # int64
+    min_stops: np.ndarray  # int64
+    min_counts: np.ndarray  # int64: the row's min_tokens, once per stop id
+    bad_prefixes: np.ndarray  # int64 [words, HISTORY_WINDOW]
+    bad_last: np.ndarray  # int64 [words]
+
+    @classmethod
+    def of(cls, params: SamplingParams, bad_words: list[list[int]], eos_token_ids: list[int]) -> _RowEntries:
+        bias = params.logit_bias or {}
+        stops: list[int] = []
+        if params.min_tokens:
+            stops = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids)))
+        prefixes, last = pack_bad_words(bad_words, HISTORY_WINDOW)
+        return cls(np.fromiter((int(t) for t in bias), np.int64, len(bias)),
+                   np.fromiter((float(v) for v in bias.values()), np.float32, len(bias)),
+                   np.asarray(params.allowed_token_ids or [], dtype=np.int64), np.asarray(stops, dtype=np.int64),
+                   np.full(len(stops), params.min_tokens, dtype=np.int64), prefixes.numpy(), last.numpy())
+
+
 def has_controls(params: SamplingParams) -> bool:
     return has_penalties(params) or bool(params.logit_bias or params.allowed_token_ids or params.min_tokens
                                          or params.bad_words)
@@ -68,7 +95,7 @@ class LogitControls:
         self.frequency = np.zeros(num_rows, dtype=np.float32)
         self.has_row = np.zeros(num_rows, dtype=bool)
         self.num_rows = 0  # rows with any control
-        self._entries: dict[int, tuple[SamplingParams, list[list[int]]]] = {}  # rows with sparse controls
+        self._entries: dict[int, _RowEntries] = {}  # rows with sparse controls
         self._sparse: _Sparse | None = None  # None: rebuild before the next step
         self._free_slots: list[int] = list(range(initial_slots - 1, -1, -1))
         self.history = TokenHistory.allocate(initial_slots, vocab_size, HISTORY_WINDOW, device)
@@ -93,7 +120,7 @@ class LogitControls:
             self.frequency[row] = params.frequency_penalty
             self.history.reset(slot, token_ids[:num_prompt_tokens], token_ids[num_prompt_tokens:])
         if params.logit_bias or params.allowed_token_ids or params.min_tokens or bad_words:
-            self._entries[row] = (params, bad_words)
+            self._entries[row] = _RowEntries.of(params, bad_words, self.eos_token_ids)
             self._sparse = None
 
     def clear(self, row: int) -> None:
@@ -121,36 +148,33 @@ class LogitControls:
         return self._free_slots.pop()
 
     def _sparse_tensors(self) -> _Sparse:
+        if self._sparse is None and not self._entries:
+            self._sparse = _Sparse(None, None, None, None)
         if self._sparse is None:
-            bias, allowed, min_tokens = ([], [], []), ([], []), ([], [], [])
-            bad_rows, bad_prefixes, bad_last = [], [], []
-            for row, (params, bad_words) in self._entries.items():
-                if bad_words:
-                    prefixes, last = pack_bad_words(bad_words, HISTORY_WINDOW)
-                    bad_rows += [row] * len(bad_words)
-                    bad_prefixes.append(prefixes)
-                    bad_last.append(last)
-                for token, value in (params.logit_bias or {}).items():
-                    bias[0].append(row), bias[1].append(int(token)), bias[2].append(float(value))
-                for token in params.allowed_token_ids or []:
-                    allowed[0].append(row), allowed[1].append(token)
-                if params.min_tokens:
-                    stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
-                    for token in stops:
-                        min_tokens[0].append(row), min_tokens[1].append(token), min_tokens[2].append(params.min_tokens)
+            rows = np.fromiter(self._entries, np.int64, len(self._entries))
+            entries = list(self._entries.values())
 
-            def device(columns, dtypes):
-                if not columns[0]:
+            def column(name: str) -> tuple[np.ndarray, np.ndarray]:
+                """(persistent row of each entry, the entries) of one column over every row."""
+                parts = [getattr(e, name) for e in entries]
+                return np.repeat(rows, [len(p) for p in parts]), np.concatenate(parts)
+
+            def device(*arrays: np.ndarray, dtypes=(torch.int64,) * 4) -> tuple[torch.Tensor, ...] | None:
+                if not len(arrays[0]):
                     return None
-                return tuple(upload(c, d, self.device) for c, d in zip(columns, dtypes))
+                return tuple(upload(a, d, self.device) for a, d in zip(arrays, dtypes))
 
-            i64, f32 = torch.int64, torch.float32
-            bad = None
-            if bad_rows:
-                bad = tuple(upload(t, i64, self.device) for t in (bad_rows, self.slot_of_row[bad_rows],
-                                                                   torch.cat(bad_prefixes), torch.cat(bad_last)))
-            self._sparse = _Sparse(device(bias, (i64, i64, f32)), device(allowed, (i64, i64)),
-                                   device(min_tokens, (i64, i64, i64)), bad)
+            bias_rows, bias_tokens = column("bias_tokens")
+            bias_values = np.concatenate([e.bias_values for e in entries])
+            stop_rows, stops = column("min_stops")
+            min_tokens = np.concatenate([e.min_counts for e in entries])
+            bad_rows, bad_last = column("bad_last")
+            bad_prefixes = np.concatenate([e.bad_prefixes for e in entries])
+            self._sparse = _Sparse(
+                device(bias_rows, bias_tokens, bias_values, dtypes=(torch.int64, torch.int64, torch.float32)),
+                device(*column("allowed")),
+                device(stop_rows, stops, min_tokens),
+                device(bad_rows, self.slot_of_row[bad_rows], bad_prefixes, bad_last))
         return self._sparse
 
     # ---- one step --------------------------------------------------------------------------------------------
