@@ -33,6 +33,23 @@ def test_siblings_share_the_prompt_blocks(llm):
     assert llm.stats.prefill_tokens == len(PROMPT) + 3 * (len(PROMPT) % BLOCK)
 
 
+def test_siblings_waiting_for_their_prompt_do_not_hold_back_the_requests_behind_them(llm):
+    """A stream of n > 1 requests: the first step admits every request's first completion, not only the first
+    request's (its siblings wait for their prompt without blocking the queue), and each prompt is still computed
+    once, its siblings forked onto it."""
+    llm.reset_stats()
+    prompts = [[t + 50 * i for t in PROMPT] for i in range(3)]
+    for i, prompt in enumerate(prompts):
+        llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, n=4), request_id=f"r{i}")
+    outputs = llm.step()
+    assert {s.request_id for s in llm._scheduler.running} == {"r0", "r1", "r2"}
+    while llm.has_unfinished_requests():
+        outputs += llm.step()
+    assert sorted(o.request_id for o in outputs) == ["r0", "r1", "r2"]
+    assert all(len(o.outputs) == 4 for o in outputs)
+    assert llm.stats.prefill_tokens == 3 * (len(PROMPT) + 3 * (len(PROMPT) % BLOCK))
+
+
 def test_greedy_n_gives_identical_completions(llm):
     single = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
     output = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, n=4))[0]

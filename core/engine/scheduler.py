@@ -211,25 +211,26 @@ class Scheduler:
         preempted = self.num_preemptions != preemptions_before
 
         # Admitting new work right after a preemption would only thrash the cache. A sequence whose constraint
-        # is still compiling, or whose LoRA adapter cannot get a slot yet, keeps its place in the queue and the
-        # ones behind it are admitted.
-        compiling: list[Sequence] = []
+        # is still compiling, whose LoRA adapter cannot get a slot yet, or whose sibling has not computed their
+        # shared prompt keeps its place in the queue and the ones behind it are admitted.
+        deferred: list[Sequence] = []
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if self.lora is not None and not self.lora.can_admit(seq):
-                compiling.append(self.waiting.popleft())
+                deferred.append(self.waiting.popleft())
                 continue
             if seq.grammar is None and seq.grammar_future is not None:
                 if not seq.grammar_future.ready():
-                    compiling.append(self.waiting.popleft())
+                    deferred.append(self.waiting.popleft())
                     continue
                 if not self._start_grammar(seq):
                     self.waiting.popleft()
                     continue
             parent = seq.parent
             if parent is not None and parent.status is SequenceStatus.RUNNING:
-                if parent.num_computed_tokens < parent.num_prompt_tokens:
-                    break  # a sibling completion waits for the shared prompt's prefill
+                if parent.num_computed_tokens < parent.num_prompt_tokens:  # then forks onto its blocks
+                    deferred.append(self.waiting.popleft())
+                    continue
                 if not self.block_manager.fork(parent, seq, budget):
                     break
             elif not self.block_manager.admit(seq, budget):
@@ -244,7 +245,7 @@ class Scheduler:
             num_new = min(seq.num_uncomputed_tokens, budget)
             self._add_chunk(batch, seq, num_new, seq.num_computed_tokens, num_new == seq.num_uncomputed_tokens)
             budget -= num_new
-        self.waiting.extendleft(reversed(compiling))
+        self.waiting.extendleft(reversed(deferred))
         if (num_decodes and num_decodes == len(batch) and num_decodes + num_done == len(self.running)
                 and self._running_version == running_version):
             self._plan = _DecodePlan(  # only decodes, of all that compute: the next step may be this one, advanced
