@@ -1,10 +1,11 @@
 """Many LoRA adapters in one batch: every token names an adapter slot (-1: the base model alone), and each
 projection adds its tokens' low-rank updates in two launches for the whole batch, whatever the mix of adapters:
 
-    y[t, columns of slice i] += scale[slot_t, i] * (x[t] @ A[slot_t, i]^T) @ B[slot_t, columns of slice i]^T
+    y[t, columns of slice i] += (x[t] @ A[slot_t, i]^T) @ B[slot_t, columns of slice i]^T
 
 A projection's adapters live in a slot pool: A [slots, slices, R, in], B [slots, out, R], with R = max_lora_rank
-and every slot's rank zero-padded up to it; per slot and slice its rank (0: no adapter there) and scale. A packed
+and every slot's rank zero-padded up to it; per slot and slice its rank (0: no adapter there). B holds the
+adapter's scale (PEFT's lora_alpha / r) folded in when the slot is written, so no launch applies it. A packed
 projection (q|k|v, gate|up) has one slice per part: each part has its own A, and its B fills that part's column
 range of the packed output.
 
@@ -22,7 +23,7 @@ The rule:
    input dimension is split across programs, each writing its own partial sums (no atomics: the expand adds
    them in a fixed order, so results are deterministic).
 3. `_expand_kernel` (one launch): the same blocks times the slot's B, over the slot's own rank only (a slot of
-   rank 8 in a pool of rank 64 costs rank 8), scaled and added into the base projection's output in place. Each
+   rank 8 in a pool of rank 64 costs rank 8), added into the base projection's output in place. Each
    output element belongs to one program: no two programs write it.
 
 Launches see only device tensors and grids that depend on the number of tokens alone: no host synchronisation,
@@ -146,12 +147,12 @@ def _shrink_kernel(x, lora_a, partials, sorted_tokens, block_group, ranks, num_t
 
 
 @triton.jit
-def _expand_kernel(partials, lora_b, y, sorted_tokens, block_group, ranks, scales, slice_starts, num_tokens,
+def _expand_kernel(partials, lora_b, y, sorted_tokens, block_group, ranks, slice_starts, num_tokens,
                    num_slices, stride_p_split, stride_p_slice, stride_p_token, stride_b_slot, stride_b_row, stride_yt,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr,
                    PRECISION: tl.constexpr):
-    """y[token, start + n] += scale[slot, slice] * (sum of the splits' partials[token, :rank]) @
-    B[slot, start + n, :rank]^T for the tokens of one block and one tile of the slice's columns."""
+    """y[token, start + n] += (sum of the splits' partials[token, :rank]) @ B[slot, start + n, :rank]^T for the
+    tokens of one block and one tile of the slice's columns."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     slice_id = tl.program_id(2)
@@ -180,26 +181,25 @@ def _expand_kernel(partials, lora_b, y, sorted_tokens, block_group, ranks, scale
             s += tl.load(p_tile + split * stride_p_split + r, mask=row_ok[:, None] & r_ok[None, :], other=0.0)
         b = tl.load(b_tile + r, mask=n_ok[:, None] & r_ok[None, :], other=0.0)
         acc = tl.dot(s.to(b.dtype), tl.trans(b), acc, input_precision=PRECISION)
-    scale = tl.load(scales + slot * num_slices + slice_id)
     dst = y + tokens.to(tl.int64)[:, None] * stride_yt + cols[None, :]
     mask = row_ok[:, None] & n_ok[None, :]
     base = tl.load(dst, mask=mask, other=0.0).to(tl.float32)
-    tl.store(dst, (base + scale * acc).to(y.dtype.element_ty), mask=mask)
+    tl.store(dst, (base + acc).to(y.dtype.element_ty), mask=mask)
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, ranks: torch.Tensor,
-             scales: torch.Tensor, slice_starts: torch.Tensor, max_slice_width: int, batch: LoRABatch,
+             slice_starts: torch.Tensor, max_slice_width: int, batch: LoRABatch,
              tiles: LoRATiles | None = None) -> torch.Tensor:
     """y [tokens, out] += each token's adapter update of x [tokens, in], in place; returns y. Tokens of slot -1 are
-    left as they are. lora_a: [slots, slices, R, in]; lora_b: [slots, out, R]; ranks (int32), scales (float32):
-    [slots, slices]; slice_starts: [slices + 1] int32, slice i's columns of y are [starts[i], starts[i + 1]);
+    left as they are. lora_a: [slots, slices, R, in]; lora_b: [slots, out, R], the adapter's scale folded in;
+    ranks: int32 [slots, slices]; slice_starts: [slices + 1] int32, slice i's columns of y are [starts[i], starts[i + 1]);
     max_slice_width: the widest slice's columns (host side: it sizes the grid)."""
     num_tokens, in_features = x.shape
     num_slots, num_slices, max_rank, _ = lora_a.shape
     assert lora_a.shape[3] == in_features and lora_b.shape == (num_slots, y.shape[1], max_rank)
-    assert ranks.shape == scales.shape == (num_slots, num_slices) and slice_starts.numel() == num_slices + 1
+    assert ranks.shape == (num_slots, num_slices) and slice_starts.numel() == num_slices + 1
     assert y.shape[0] == num_tokens == batch.num_tokens and x.stride(1) == 1 and y.stride(1) == 1
-    assert lora_a.stride(3) == 1 and lora_b.stride(2) == 1 and ranks.is_contiguous() and scales.is_contiguous()
+    assert lora_a.stride(3) == 1 and lora_b.stride(2) == 1 and ranks.is_contiguous()
     if num_tokens == 0:
         return y
     num_blocks = batch.block_group.numel()
@@ -212,7 +212,7 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
         BLOCK_M=batch.block_m, BLOCK_R=tiles.block_r, BLOCK_K=tiles.block_k, SPLIT_K=tiles.split_k,
         PRECISION=precision, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     _expand_kernel[(triton.cdiv(max_slice_width, tiles.block_n), num_blocks, num_slices)](
-        partials, lora_b, y, batch.sorted_tokens, batch.block_group, ranks, scales, slice_starts, num_tokens,
+        partials, lora_b, y, batch.sorted_tokens, batch.block_group, ranks, slice_starts, num_tokens,
         num_slices, *partials.stride()[:3], *lora_b.stride()[:2],
         y.stride(0), BLOCK_M=batch.block_m, BLOCK_N=tiles.block_n, BLOCK_R=tiles.block_r, SPLIT_K=tiles.split_k,
         PRECISION=precision, num_warps=tiles.num_warps,

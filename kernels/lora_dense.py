@@ -1,7 +1,7 @@
 """The multi-LoRA update of kernels/lora.py by dense products, for pools whose adapters are small next to the
 projection: every token times every slot's A in one matrix product, each token's columns of other slots set to
-zero (and its own scaled), then one product per slice with every slot's B at once, added into the output by the
-library's GEMM.
+zero, then one product per slice with every slot's B (the adapters' scales folded in) at once, added into the
+output by the library's GEMM: three launches for an unpacked projection.
 
 It spends FLOPs on the slots a token does not use (`dense_extra_flops`: the share they add to the base
 projection's), but a decode step is bound by reading weights, which both ways read alike, and a few library
@@ -26,11 +26,11 @@ def dense_extra_flops(num_slots: int, num_slices: int, max_rank: int, in_feature
 
 
 def add_lora_dense(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                   scales: torch.Tensor, slice_starts: list[int], off_slot: torch.Tensor) -> torch.Tensor:
+                   slice_starts: list[int], off_slot: torch.Tensor) -> torch.Tensor:
     """`add_lora`'s update by dense products (module docstring), in place; returns y. lora_a: [slots, slices, R,
-    in] and lora_b: [slots, out, R], views of [slices, slots, R, in] and [out, slots, R] storage; scales (float32):
-    [slots, slices]; off_slot: [tokens, slots] bool, True where a token does not use the slot (a base-model
-    token's row is all True); slice_starts: host ints. Any device, torch ops only."""
+    in] and lora_b: [slots, out, R], views of [slices, slots, R, in] and [out, slots, R] storage; off_slot:
+    [tokens, slots] bool, True where a token does not use the slot (a base-model token's row is all True);
+    slice_starts: host ints. Any device, torch ops only."""
     num_tokens, in_features = x.shape
     num_slots, num_slices, max_rank, _ = lora_a.shape
     a, b = lora_a.transpose(0, 1), lora_b.transpose(0, 1)
@@ -39,11 +39,8 @@ def add_lora_dense(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_
         return y
     width = num_slots * max_rank
     shrunk = (x @ a.view(num_slices * width, in_features).T).view(num_tokens, num_slices, num_slots, max_rank)
-    off = off_slot[:, None, :]
-    token_scales = scales.T[None].masked_fill(off, 0.0)  # [tokens, slices, slots]
-    torch.mul(shrunk, token_scales[..., None], out=shrunk)  # in float32, rounded to x's type
     # Set, not multiplied, to zero: another slot's product that overflowed (inf * 0 is NaN) must not reach the token.
-    shrunk.masked_fill_(off[..., None], 0.0)
+    shrunk.masked_fill_(off_slot[:, None, :, None], 0.0)
     for i, (start, end) in enumerate(zip(slice_starts[:-1], slice_starts[1:])):
         y[:, start:end].addmm_(shrunk[:, i].reshape(num_tokens, width), b[start:end].view(end - start, width).T)
     return y

@@ -74,7 +74,7 @@ def main() -> None:
                 lora_b=(torch.randn(out_features, args.max_loras, rank, device=device, generator=gen)
                         * 0.02).to(dtype).transpose(0, 1),
                 ranks=torch.full((args.max_loras, len(widths)), rank, dtype=torch.int32, device=device),
-                scales=torch.ones(args.max_loras, len(widths), device=device), slice_starts=starts,
+                slice_starts=starts,
                 starts_host=starts.tolist(), max_slice_width=max(widths))
         for batch in args.batches:
             slots = torch.arange(batch, device=device, dtype=torch.int32) % args.adapters
@@ -94,10 +94,10 @@ def main() -> None:
                 y = F.linear(x, pool["weight"])
                 base_ms = median_cuda_ms(functools.partial(F.linear, x, pool["weight"]), args.repeats)
                 lora_ms = median_cuda_ms(functools.partial(
-                    add_lora, y, x, pool["lora_a"], pool["lora_b"], pool["ranks"], pool["scales"], pool["slice_starts"],
+                    add_lora, y, x, pool["lora_a"], pool["lora_b"], pool["ranks"], pool["slice_starts"],
                     pool["max_slice_width"], sorted_batch), args.repeats)
                 dense_ms = median_cuda_ms(functools.partial(
-                    add_lora_dense, y, x, pool["lora_a"], pool["lora_b"], pool["scales"], pool["starts_host"], off_slot),
+                    add_lora_dense, y, x, pool["lora_a"], pool["lora_b"], pool["starts_host"], off_slot),
                     args.repeats)
                 row[name] = {"base_ms": base_ms, "lora_ms": lora_ms, "dense_ms": dense_ms}
                 base_total += base_ms

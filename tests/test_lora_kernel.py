@@ -47,31 +47,30 @@ class Pool:
         self.a = self.a.to(dtype).transpose(0, 1).contiguous().transpose(0, 1)
         self.b = self.b.to(dtype).transpose(0, 1).contiguous().transpose(0, 1)
         self.ranks = torch.tensor(ranks, dtype=torch.int32, device=DEVICE)
-        self.scales = torch.rand(num_slots, num_slices, generator=torch.Generator().manual_seed(seed + 2)).to(DEVICE) + 0.5
         self.starts_device = torch.tensor(starts, dtype=torch.int32, device=DEVICE)
 
     def kernel(self, y, x, slots, tiles=None, block_m=None):
         batch = sort_tokens_by_slot(slots, len(self.ranks), block_m)
-        return add_lora(y, x, self.a, self.b, self.ranks, self.scales, self.starts_device, max(self.widths), batch,
+        return add_lora(y, x, self.a, self.b, self.ranks, self.starts_device, max(self.widths), batch,
                         tiles)
 
     def dense(self, y, x, slots):
         off_slot = slots[:, None] != torch.arange(len(self.ranks), device=DEVICE)[None]
-        return add_lora_dense(y, x, self.a, self.b, self.scales, self.starts, off_slot)
+        return add_lora_dense(y, x, self.a, self.b, self.starts, off_slot)
 
     def reference(self, y, x, slots):
-        return add_lora_torch(y, x, self.a, self.b, self.scales, self.starts, slots)
+        return add_lora_torch(y, x, self.a, self.b, self.starts, slots)
 
 
 def every_token_reference(y, x, pool, slots):
     """Each token through its slot's gathered matrices in float64: no grouping by slot, no loop."""
     keep = (slots >= 0).double()[:, None]
     gather = slots.clamp_min(0).long()
-    a, b, scales = pool.a.double()[gather], pool.b.double()[gather], pool.scales.double()[gather]
+    a, b = pool.a.double()[gather], pool.b.double()[gather]
     out = y.double().clone()
     for i, (start, end) in enumerate(zip(pool.starts[:-1], pool.starts[1:])):
         s = torch.einsum("tk,trk->tr", x.double(), a[:, i])
-        out[:, start:end] += keep * scales[:, i, None] * torch.einsum("tr,tnr->tn", s, b[:, start:end])
+        out[:, start:end] += keep * torch.einsum("tr,tnr->tn", s, b[:, start:end])
     return out
 
 

@@ -1,9 +1,9 @@
 """Adapters on nanovllm's linear layers: each column- or row-parallel projection of a model gets the device slots
-of its adapters (A [slots, slices, R, in], B [slots, out, R], with R = max_lora_rank, and a rank and a scale per
-slot and slice), and adds, after its own product, each token's update from the slot the step gives that token
-(-1: none). On CUDA the update is kernels/lora.py's: its dense products where the pool is small next to the
-projection, else its two grouped launches for the whole batch; elsewhere `add_lora_torch`, the same sum as plain
-torch ops slot by slot (the CPU path and the reference of both).
+of its adapters (A [slots, slices, R, in], B [slots, out, R] with the adapter's scale folded in, R =
+max_lora_rank, and a rank per slot and slice), and adds, after its own product, each token's update from the
+slot the step gives that token (-1: none). On CUDA the update is kernels/lora.py's: its dense products where the
+pool is small next to the projection, else its two grouped launches for the whole batch; elsewhere
+`add_lora_torch`, the same sum as plain torch ops slot by slot (the CPU path and the reference of both).
 
 A packed projection (q|k|v, gate|up) has one slice per part, each with its own A and its own columns of the
 output. An adapter module that covers the packed layer whole (Phi-3 checkpoints adapt `qkv_proj` as one) has one
@@ -27,9 +27,9 @@ from nanovllm.lora.adapter import LoRAAdapter, LoRAModule
 
 
 def add_lora_torch(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                   scales: torch.Tensor, slice_starts: list[int], token_slots: torch.Tensor) -> torch.Tensor:
+                   slice_starts: list[int], token_slots: torch.Tensor) -> torch.Tensor:
     """kernels/lora.py `add_lora` as torch ops, slot by slot over the whole padded rank (the padding is zero),
-    in float32: y [tokens, out] += scale[slot, i] * (x @ A[slot, i]^T) @ B[slot, columns of slice i]^T for each
+    in float32: y [tokens, out] += (x @ A[slot, i]^T) @ B[slot, columns of slice i]^T for each
     token of a slot >= 0 and each slice i. In place; returns y."""
     for slot in torch.unique(token_slots).tolist():
         if slot < 0:
@@ -38,7 +38,7 @@ def add_lora_torch(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_
         xs = x[rows].float()
         for i, (start, end) in enumerate(zip(slice_starts[:-1], slice_starts[1:])):
             update = (xs @ lora_a[slot, i].float().T) @ lora_b[slot, start:end].float().T
-            y[rows, start:end] = (y[rows, start:end].float() + scales[slot, i].float() * update).to(y.dtype)
+            y[rows, start:end] = (y[rows, start:end].float() + update).to(y.dtype)
     return y
 
 
@@ -95,8 +95,6 @@ class LoRALinear(nn.Module):
         self.register_buffer("lora_b_storage", torch.zeros(out_features, max_loras, max_lora_rank, dtype=dtype,
                                                            device=device), persistent=False)
         self.register_buffer("ranks", torch.zeros(max_loras, slices, dtype=torch.int32, device=device), persistent=False)
-        self.register_buffer("scales", torch.zeros(max_loras, slices, dtype=torch.float32, device=device),
-                             persistent=False)
         self.register_buffer("slice_starts_device", torch.tensor(starts, dtype=torch.int32, device=device),
                              persistent=False)
 
@@ -128,13 +126,13 @@ class LoRALinear(nn.Module):
     def add_update(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y += each token's adapter update of x, in place."""
         if self.update == "dense":
-            return add_lora_dense(y, x, self.lora_a, self.lora_b, self.scales, self.slice_starts, self.step.off_slot)
+            return add_lora_dense(y, x, self.lora_a, self.lora_b, self.slice_starts, self.step.off_slot)
         if self.update == "triton":
             from nanovllm.kernels.lora import add_lora
 
-            return add_lora(y, x, self.lora_a, self.lora_b, self.ranks, self.scales, self.slice_starts_device,
+            return add_lora(y, x, self.lora_a, self.lora_b, self.ranks, self.slice_starts_device,
                             self.max_slice_width, self.step.batch)
-        return add_lora_torch(y, x, self.lora_a, self.lora_b, self.scales, self.slice_starts, self.step.token_slots)
+        return add_lora_torch(y, x, self.lora_a, self.lora_b, self.slice_starts, self.step.token_slots)
 
     @torch.no_grad()
     def write_slot(self, slot: int, modules: dict, describe: str) -> None:
@@ -143,7 +141,6 @@ class LoRALinear(nn.Module):
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
         self.ranks[slot].zero_()
-        self.scales[slot].zero_()
         part_ids = list(self.parts)
         for part, module in modules.items():
             self._check_shapes(part, module, describe)
@@ -154,14 +151,14 @@ class LoRALinear(nn.Module):
                 a.full_shape = (rank, self.base.weight.full_shape[1])
                 LinearBase.weight_loader(self.base, a, module.lora_a)  # row-parallel: this rank's columns
                 self.ranks[slot, i] = rank
-                self.scales[slot, i] = module.scale
             b = self.lora_b[slot, :, :rank]
             b.full_shape = (self.base.weight.full_shape[0], rank)
+            scaled_b = module.lora_b.float() * module.scale  # rounded once, into the pool's type
             if part is None:
                 b.packed_parts = getattr(self.base.weight, "packed_parts", None)
-                load_whole(b, self.base.weight_loader, module.lora_b)  # a packed layer's B is cut into its parts
+                load_whole(b, self.base.weight_loader, scaled_b)  # a packed layer's B is cut into its parts
             else:
-                self.base.weight_loader(b, module.lora_b, part)  # this rank's rows of the part
+                self.base.weight_loader(b, scaled_b, part)  # this rank's rows of the part
 
     def _check_shapes(self, part, module: LoRAModule, describe: str) -> None:
         rows = self.parts[part] if part in self.parts else sum(self.parts.values())
