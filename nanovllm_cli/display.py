@@ -25,7 +25,7 @@ class ReplicaProgress:
     rows: int  # rows it answered
     outstanding: int  # rows it holds, not answered yet
     generated_tokens: int
-    tok_s: float  # its generated tokens over the job's elapsed time (the replicas' rates add up to the job's)
+    tok_s: float  # its generated tokens per second over the span of the job's rate (they add up to the job's)
     restarts: int = 0
 
 

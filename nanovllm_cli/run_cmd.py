@@ -464,8 +464,7 @@ def run_job(source: LLM | ReplicaPool, rows: Iterable[RowRequest | RowError], ro
     writer = open_writers(target, error_file, layout, job.resume)
     stats = RunStats(rows_total=rows_total)
     rates = RecentRates()
-    tokens = source.report()["tokens"]
-    rates.update(tokens["generated"], tokens["prefill"])  # the job's start: the first line's rates count from it
+    rates.update(*rate_counters(source))  # the job's start: the first line's rates count from it
     metrics_log = MetricsLog(job.metrics_file, job.metrics_interval, lambda: snapshot(stats, source, runner, budget, rates))
     display = ProgressDisplay(lambda: snapshot(stats, source, runner, budget, rates), quiet=job.quiet,
                               log_interval=job.log_interval, console=console)
@@ -524,6 +523,16 @@ def stop_message(rows_done: int, records_kept: int, target: OutputLocation) -> s
     return f"{done}; run again with --resume to finish"
 
 
+def rate_counters(source: LLM | ReplicaPool, report: dict | None = None) -> tuple[float, ...]:
+    """What the job's recent rates follow: generated and prefill tokens, then each replica's generated tokens by
+    index (0 before it is spawned), so that over the same window the replicas' rates add up to the job's."""
+    report = report or source.report()
+    per_replica = [0] * len(getattr(source, "replicas", ()))
+    for replica in report.get("replicas", ()):
+        per_replica[replica["index"]] = replica["generated_tokens"]
+    return report["tokens"]["generated"], report["tokens"]["prefill"], *per_replica
+
+
 def snapshot(stats: RunStats, source: LLM | ReplicaPool, runner: BatchRunner, budget: TokenBudget,
              rates: RecentRates) -> Snapshot:
     """The live figures from the engine's report (with replicas: their merged one, and each one's): rates over
@@ -535,7 +544,7 @@ def snapshot(stats: RunStats, source: LLM | ReplicaPool, runner: BatchRunner, bu
     metrics = report["kv_cache"]
     elapsed = stats.elapsed_s
     generated = report["tokens"]["generated"]
-    output_tok_s, prefill_tok_s = rates.update(generated, report["tokens"]["prefill"])
+    output_tok_s, prefill_tok_s, *replica_tok_s = rates.update(*rate_counters(source, report))
     rows_done = stats.rows_done + stats.rows_skipped
     in_flight = generated - stats.completion_tokens
     left = runner.output_tokens_left(stats.completion_tokens / stats.rows_ok, budget.default_max_tokens) \
@@ -544,7 +553,7 @@ def snapshot(stats: RunStats, source: LLM | ReplicaPool, runner: BatchRunner, bu
     if source.info.pooling is not None and stats.rows_done:  # a pooling job generates nothing: by its row rate
         eta, bound = (stats.rows_total - rows_done) * elapsed / stats.rows_done, None
     replicas = [ReplicaProgress(r["index"], r["pid"], r["state"], r["rows"], r["outstanding"], r["generated_tokens"],
-                                r["generated_tokens"] / elapsed, r["restarts"]) for r in report.get("replicas", ())]
+                                replica_tok_s[r["index"]], r["restarts"]) for r in report.get("replicas", ())]
     return Snapshot(
         rows_done=rows_done, rows_total=stats.rows_total, rows_failed=stats.rows_failed,
         rows_per_s=stats.rows_done / elapsed, output_tok_s=output_tok_s, eta_s=eta, eta_bound_s=bound,

@@ -39,6 +39,32 @@ def test_recent_rates_follow_the_last_window_not_the_job_average():
     assert output_rate == pytest.approx(10.0) and prefill_rate == 0.0  # the job's averages: 64 and 600 tok/s
 
 
+def test_replica_rates_add_up_to_the_job_rate_over_the_same_window():
+    """Each replica's rate follows the job's window (a replica spawned late counts 0 before), so the progress line's
+    replicas always sum to its total: at the start, and once the window has moved past the job's first minute."""
+    from nanovllm_cli.run_cmd import rate_counters
+
+    class Pool:  # a ReplicaPool's report of two replicas, the second spawned 10 s in
+        replicas = [None, None]
+        generated = [0, 0]
+
+        def report(self):
+            spawned = [{"index": i, "generated_tokens": g} for i, g in enumerate(self.generated) if i == 0 or g]
+            return {"tokens": {"generated": sum(self.generated), "prefill": 0}, "replicas": spawned}
+
+    clock, pool = Clock(), Pool()
+    rates = RecentRates(window_s=30.0, clock=clock)
+    rates.update(*rate_counters(pool))
+    for second in range(1, 91):
+        clock.now = second
+        pool.generated[0] += 100
+        if second > 10:
+            pool.generated[1] += 40 if second < 60 else 10
+        total, _, *each = rates.update(*rate_counters(pool))
+        assert sum(each) == pytest.approx(total)
+    assert each == pytest.approx([100.0, 10.0]) and total == pytest.approx(110.0)  # the last 30 s, not the job's
+
+
 def test_declared_budget_reads_each_row_form():
     assert declared_budget({"prompt": "x"}, 64) == 64
     assert declared_budget({"prompt": "x", "max_tokens": 5, "n": 3}, 64) == 15
