@@ -50,6 +50,22 @@ def test_siblings_waiting_for_their_prompt_do_not_hold_back_the_requests_behind_
     assert llm.stats.prefill_tokens == 3 * (len(PROMPT) + 3 * (len(PROMPT) % BLOCK))
 
 
+def test_a_waiting_sibling_keeps_its_seat_for_its_fork(tiny_model_dirs):
+    """With seats for two rows, a request of n 2 and one behind it: the rows behind the waiting sibling do not
+    take its seat, so it forks onto the computed prompt (one prefill of it, plus its partial block) instead of
+    waiting for the parent to finish and computing the prompt again."""
+    llm = LLM(str(tiny_model_dirs["qwen3"]), max_model_len=256, num_kv_blocks=64, block_size=BLOCK,
+              enable_prefix_caching=False, max_num_seqs=2)
+    llm.add_request(PROMPT, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, n=2), request_id="a")
+    other = [t + 50 for t in PROMPT]
+    llm.add_request(other, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), request_id="b")
+    outputs = []
+    while llm.has_unfinished_requests():
+        outputs += llm.step()
+    assert [o.request_id for o in outputs] == ["a", "b"]
+    assert llm.stats.prefill_tokens == len(PROMPT) + len(PROMPT) % BLOCK + len(other)
+
+
 def test_greedy_n_gives_identical_completions(llm):
     single = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
     output = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, n=4))[0]

@@ -212,9 +212,12 @@ class Scheduler:
 
         # Admitting new work right after a preemption would only thrash the cache. A sequence whose constraint
         # is still compiling, whose LoRA adapter cannot get a slot yet, or whose sibling has not computed their
-        # shared prompt keeps its place in the queue and the ones behind it are admitted.
+        # shared prompt keeps its place in the queue and the ones behind it are admitted. Such a sibling keeps its
+        # seat too: the rows behind it must not take it, or it would miss its fork and compute the prompt again.
         deferred: list[Sequence] = []
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        seats_held = 0
+        while (not preempted and self.waiting and budget > 0
+               and len(self.running) + seats_held < self.max_num_seqs):
             seq = self.waiting[0]
             if self.lora is not None and not self.lora.can_admit(seq):
                 deferred.append(self.waiting.popleft())
@@ -230,6 +233,7 @@ class Scheduler:
             if parent is not None and parent.status is SequenceStatus.RUNNING:
                 if parent.num_computed_tokens < parent.num_prompt_tokens:  # then forks onto its blocks
                     deferred.append(self.waiting.popleft())
+                    seats_held += 1
                     continue
                 if not self.block_manager.fork(parent, seq, budget):
                     break
