@@ -420,8 +420,9 @@ class ReplicaPool:
         replica.in_engine = set()
         replica.suspects = set()
         replica.withdrawing = False
-        if replica.report is not None:
+        if replica.report is not None:  # moved, not copied: a retired replica's engine must not count twice
             replica.past_reports.append(replica.report)
+            replica.report = None
         if replica.restarts < self.max_restarts:
             replica.restarts += 1
             self._spawn(replica)

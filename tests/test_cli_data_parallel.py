@@ -500,3 +500,22 @@ def test_a_group_that_died_together_goes_alone_and_a_lone_suspect_gets_an_error_
     assert [(r.id, type(failure)) for r, failure in pool.convicted] == [("s0", RowFailure)]
     assert pool.convicted[0][1].message.startswith("3 replicas died with this row in their engine")
     assert [r.id for r in pool.suspects] == ["plain"] and pool.rows_given_up == 1
+
+
+def test_a_retired_replica_counts_its_engines_tokens_once(monkeypatch):
+    """A replica that dies with no restart left keeps its last engine report among its earlier incarnations'
+    (its share of the job), and counts it once."""
+    from types import SimpleNamespace
+
+    from nanovllm_cli.replicas import ReplicaPool
+
+    pool = idle_pool(2, max_num_seqs=4)
+    pool.max_restarts, pool.deaths, pool.rows_rerun, pool.rows_given_up = 0, 0, 0, 0
+    pool.events, pool.convicted, pool.on_event = [], [], lambda message: None
+    monkeypatch.setattr(ReplicaPool, "_reap", lambda self, replica: None)
+    for replica in pool.replicas:
+        replica.process = SimpleNamespace(pid=100 + replica.index)
+    replica = pool.replicas[0]
+    replica.report = {"tokens": {"generated": 120}}
+    pool._lost(replica, "died", set())
+    assert replica.state == "retired" and replica.generated_tokens() == 120
