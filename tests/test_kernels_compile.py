@@ -84,7 +84,7 @@ shrink_types = ["*bf16", "*bf16", "*fp32", "*i32", "*i32", "*i32"] + ["i32"] * 1
 constexprs = dict(BLOCK_M=64, BLOCK_R=tiles.block_r, BLOCK_K=tiles.block_k, SPLIT_K=tiles.split_k, PRECISION="tf32")
 signature = dict(zip(L._shrink_kernel.arg_names, shrink_types), **dict.fromkeys(constexprs, "constexpr"))
 build(L._shrink_kernel, signature, constexprs, tiles.num_warps, [], tiles.num_stages)
-expand_types = ["*fp32", "*bf16", "*bf16", "*i32", "*i32", "*i32", "*fp32", "*i32"] + ["i32"] * 8
+expand_types = ["*fp32", "*bf16", "*bf16", "*i32", "*i32", "*i32", "*i32"] + ["i32"] * 8
 constexprs = dict(BLOCK_M=64, BLOCK_N=tiles.block_n, BLOCK_R=tiles.block_r, SPLIT_K=tiles.split_k, PRECISION="tf32")
 signature = dict(zip(L._expand_kernel.arg_names, expand_types), **dict.fromkeys(constexprs, "constexpr"))
 build(L._expand_kernel, signature, constexprs, tiles.num_warps, [], L.expand_stages(64, tiles, 2))
