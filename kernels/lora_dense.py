@@ -25,6 +25,12 @@ def dense_extra_flops(num_slots: int, num_slices: int, max_rank: int, in_feature
     return num_slots * max_rank * (num_slices / out_features + 1 / in_features)
 
 
+def off_slot_mask(token_slots: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
+    """The dense update's per-step input: [tokens, slots] bool, True where a token does not use the slot (every
+    slot of a base-model token, slot -1). `slot_ids`: arange(slots) on the tokens' device."""
+    return token_slots[:, None] != slot_ids[None]
+
+
 def add_lora_dense(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                    slice_starts: list[int], off_slot: torch.Tensor) -> torch.Tensor:
     """`add_lora`'s update by dense products (module docstring), in place; returns y. lora_a: [slots, slices, R,

@@ -7,10 +7,11 @@ Per rank and batch size: --adapters adapters of that rank (in a pool of --max-lo
 round-robin over the rows, every --base-every-th row on the base model (0: none). Device time from CUDA events
 (median of --repeats after a warm-up) of each projection's base matmul (F.linear) and of its LoRA update
 (`add_lora`: shrink + expand; `add_lora_dense`), and of the step's token sort (`sort_tokens_by_slot`, once
-per step for every layer) and slot mask (the dense update's). `layer_ratio` and `dense_layer_ratio`: base time /
-(base + update time) over the layer's four projections with the per-step work spread over --layers layers: the
-share of the linear layers' throughput that adapters keep (attention excluded). Eager launches: at small batches
-the host's launch time, not the device's, may decide a figure (a decode step replays a CUDA graph).
+per step for every layer) and slot mask (`off_slot_mask`, the dense update's). `layer_ratio` and
+`dense_layer_ratio`: base time / (base + update time) over the layer's four projections with the per-step work
+spread over --layers layers: the share of the linear layers' throughput that adapters keep (attention
+excluded). Eager launches: at small batches the host's launch time, not the device's, may decide a figure (a
+decode step replays a CUDA graph).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm.kernels.lora import add_lora, sort_tokens_by_slot
-from nanovllm.kernels.lora_dense import add_lora_dense
+from nanovllm.kernels.lora_dense import add_lora_dense, off_slot_mask
 from nanovllm_cli.roofline import median_cuda_ms
 
 
@@ -32,11 +33,6 @@ def projections(hidden: int, inter: int, q_heads: int, kv_heads: int, head_dim: 
     return {"qkv_proj": (hidden, [q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]),
             "o_proj": (q_heads * head_dim, [hidden]), "gate_up_proj": (hidden, [inter, inter]),
             "down_proj": (inter, [hidden])}
-
-
-def slot_mask(slots: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
-    """The dense update's per-step input (core/lora/layers.py `LoRALayers.set_step`)."""
-    return slots[:, None] != slot_ids[None]
 
 
 def main() -> None:
@@ -83,8 +79,8 @@ def main() -> None:
             sorted_batch = sort_tokens_by_slot(slots, args.max_loras)
             sort_ms = median_cuda_ms(functools.partial(sort_tokens_by_slot, slots, args.max_loras), args.repeats)
             slot_ids = torch.arange(args.max_loras, device=device, dtype=torch.int32)
-            mask_ms = median_cuda_ms(functools.partial(slot_mask, slots, slot_ids), args.repeats)
-            off_slot = slot_mask(slots, slot_ids)
+            mask_ms = median_cuda_ms(functools.partial(off_slot_mask, slots, slot_ids), args.repeats)
+            off_slot = off_slot_mask(slots, slot_ids)
             row = {"rank": rank, "batch": batch, "block_m": sorted_batch.block_m, "sort_ms": sort_ms,
                    "mask_ms": mask_ms}
             base_total = lora_total = dense_total = 0.0

@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from nanovllm.kernels.lora import LoRATiles, add_lora, sort_tokens_by_slot
-from nanovllm.kernels.lora_dense import add_lora_dense
+from nanovllm.kernels.lora_dense import add_lora_dense, off_slot_mask
 from nanovllm.lora.layers import add_lora_torch
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -55,7 +55,7 @@ class Pool:
                         tiles)
 
     def dense(self, y, x, slots):
-        off_slot = slots[:, None] != torch.arange(len(self.ranks), device=DEVICE)[None]
+        off_slot = off_slot_mask(slots, torch.arange(len(self.ranks), device=DEVICE))
         return add_lora_dense(y, x, self.a, self.b, self.starts, off_slot)
 
     def reference(self, y, x, slots):

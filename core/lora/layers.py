@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from nanovllm.distributed import all_reduce
-from nanovllm.kernels.lora_dense import DENSE_MAX_EXTRA, add_lora_dense, dense_extra_flops
+from nanovllm.kernels.lora_dense import DENSE_MAX_EXTRA, add_lora_dense, dense_extra_flops, off_slot_mask
 from nanovllm.layers.fp8 import Fp8Activation
 from nanovllm.layers.linear import ColumnParallelLinear, LinearBase, RowParallelLinear
 from nanovllm.loaders.weights import checkpoint_target, load_whole
@@ -205,7 +205,7 @@ class LoRALayers:
 
             self.step.batch = sort_tokens_by_slot(token_slots, self.max_loras)
         if "dense" in self.updates:
-            self.step.off_slot = token_slots[:, None] != self.slot_ids[None]
+            self.step.off_slot = off_slot_mask(token_slots, self.slot_ids)
 
     def check(self, adapter: LoRAAdapter) -> None:
         """Raise the ValueError `load` would (a module the model has no layer for, or matrices that do not fit
