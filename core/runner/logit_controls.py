@@ -154,10 +154,12 @@ class LogitControls:
             rows = np.fromiter(self._entries, np.int64, len(self._entries))
             entries = list(self._entries.values())
 
+            def joined(name: str) -> np.ndarray:
+                return np.concatenate([getattr(e, name) for e in entries])
+
             def column(name: str) -> tuple[np.ndarray, np.ndarray]:
                 """(persistent row of each entry, the entries) of one column over every row."""
-                parts = [getattr(e, name) for e in entries]
-                return np.repeat(rows, [len(p) for p in parts]), np.concatenate(parts)
+                return np.repeat(rows, [len(getattr(e, name)) for e in entries]), joined(name)
 
             def device(*arrays: np.ndarray, dtypes=(torch.int64,) * 4) -> tuple[torch.Tensor, ...] | None:
                 if not len(arrays[0]):
@@ -165,11 +167,11 @@ class LogitControls:
                 return tuple(upload(a, d, self.device) for a, d in zip(arrays, dtypes))
 
             bias_rows, bias_tokens = column("bias_tokens")
-            bias_values = np.concatenate([e.bias_values for e in entries])
+            bias_values = joined("bias_values")
             stop_rows, stops = column("min_stops")
-            min_tokens = np.concatenate([e.min_counts for e in entries])
+            min_tokens = joined("min_counts")
             bad_rows, bad_last = column("bad_last")
-            bad_prefixes = np.concatenate([e.bad_prefixes for e in entries])
+            bad_prefixes = joined("bad_prefixes")
             self._sparse = _Sparse(
                 device(bias_rows, bias_tokens, bias_values, dtypes=(torch.int64, torch.int64, torch.float32)),
                 device(*column("allowed")),
