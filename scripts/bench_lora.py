@@ -7,11 +7,12 @@ Per rank and batch size: --adapters adapters of that rank (in a pool of --max-lo
 round-robin over the rows, every --base-every-th row on the base model (0: none). Device time from CUDA events
 (median of --repeats after a warm-up) of each projection's base matmul (F.linear) and of its LoRA update
 (`add_lora`: shrink + expand; `add_lora_dense`), and of the step's token sort (`sort_tokens_by_slot`, once
-per step for every layer) and slot mask (`off_slot_mask`, the dense update's). `layer_ratio` and
-`dense_layer_ratio`: base time / (base + update time) over the layer's four projections with the per-step work
-spread over --layers layers: the share of the linear layers' throughput that adapters keep (attention
-excluded). Eager launches: at small batches the host's launch time, not the device's, may decide a figure (a
-decode step replays a CUDA graph).
+per step for every layer) and slot mask (`off_slot_mask`, the dense update's). `stacked_ms`: base and update
+together as the engine runs them on a plain weight (every A stacked under the weight: one product, then
+`add_dense_expand`). `layer_ratio`, `dense_layer_ratio` and `stacked_layer_ratio`: base time / (base + update
+time) over the layer's four projections with the per-step work spread over --layers layers: the share of the
+linear layers' throughput that adapters keep (attention excluded). Eager launches: at small batches the
+host's launch time, not the device's, may decide a figure (a decode step replays a CUDA graph).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm.kernels.lora import add_lora, sort_tokens_by_slot
-from nanovllm.kernels.lora_dense import add_lora_dense, off_slot_mask
+from nanovllm.kernels.lora_dense import add_dense_expand, add_lora_dense, off_slot_mask
 from nanovllm_cli.roofline import median_cuda_ms
 
 
@@ -33,6 +34,13 @@ def projections(hidden: int, inter: int, q_heads: int, kv_heads: int, head_dim: 
     return {"qkv_proj": (hidden, [q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]),
             "o_proj": (q_heads * head_dim, [hidden]), "gate_up_proj": (hidden, [inter, inter]),
             "down_proj": (inter, [hidden])}
+
+
+def stacked_product(x: torch.Tensor, stacked: torch.Tensor, lora_b: torch.Tensor, starts: list[int],
+                    off_slot: torch.Tensor) -> torch.Tensor:
+    """The base product and the update with every A stacked under the weight (core/lora/layers.py's way)."""
+    y = F.linear(x, stacked)
+    return add_dense_expand(y[:, :starts[-1]], y[:, starts[-1]:], lora_b, starts, off_slot)
 
 
 def main() -> None:
@@ -72,6 +80,8 @@ def main() -> None:
                 ranks=torch.full((args.max_loras, len(widths)), rank, dtype=torch.int32, device=device),
                 slice_starts=starts,
                 starts_host=starts.tolist(), max_slice_width=max(widths))
+            pool = pools[name]
+            pool["stacked"] = torch.cat([pool["weight"], pool["lora_a"].transpose(0, 1).reshape(-1, in_features)])
         for batch in args.batches:
             slots = torch.arange(batch, device=device, dtype=torch.int32) % args.adapters
             if args.base_every:
@@ -83,7 +93,7 @@ def main() -> None:
             off_slot = off_slot_mask(slots, slot_ids)
             row = {"rank": rank, "batch": batch, "block_m": sorted_batch.block_m, "sort_ms": sort_ms,
                    "mask_ms": mask_ms}
-            base_total = lora_total = dense_total = 0.0
+            base_total = lora_total = dense_total = stacked_total = 0.0
             for name, (in_features, _) in shapes.items():
                 pool = pools[name]
                 x = torch.randn(batch, in_features, device=device, generator=gen).to(dtype)
@@ -95,12 +105,16 @@ def main() -> None:
                 dense_ms = median_cuda_ms(functools.partial(
                     add_lora_dense, y, x, pool["lora_a"], pool["lora_b"], pool["starts_host"], off_slot),
                     args.repeats)
-                row[name] = {"base_ms": base_ms, "lora_ms": lora_ms, "dense_ms": dense_ms}
+                stacked_ms = median_cuda_ms(functools.partial(
+                    stacked_product, x, pool["stacked"], pool["lora_b"], pool["starts_host"], off_slot), args.repeats)
+                row[name] = {"base_ms": base_ms, "lora_ms": lora_ms, "dense_ms": dense_ms, "stacked_ms": stacked_ms}
                 base_total += base_ms
                 lora_total += lora_ms
                 dense_total += dense_ms
+                stacked_total += stacked_ms
             row["layer_ratio"] = base_total / (base_total + lora_total + sort_ms / args.layers)
             row["dense_layer_ratio"] = base_total / (base_total + dense_total + mask_ms / args.layers)
+            row["stacked_layer_ratio"] = base_total / (stacked_total + mask_ms / args.layers)
             print(json.dumps(row), file=out, flush=True)
 
 

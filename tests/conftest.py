@@ -47,27 +47,27 @@ def tiny_model_dirs(tmp_path_factory):
     return {t: save_random_hf_model(f"tiny-{t}", root / t) for t in ("qwen3", "qwen2", "llama")}
 
 
-_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
              head_dim=16, vocab_size=512, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0,
              tie_word_embeddings=False)
 # Tiny models of the other architectures (test_engine_hf.py). Windows of 8 and 12 tokens: smaller than a
 # 16-token block, so whole cached blocks fall out of them.
 ARCH_CONFIGS = {
-    "mistral": dict(_TINY, model_type="mistral", sliding_window=8),
-    "gemma2": dict(_TINY, model_type="gemma2", sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2,
+    "mistral": dict(TINY_SHAPE, model_type="mistral", sliding_window=8),
+    "gemma2": dict(TINY_SHAPE, model_type="gemma2", sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2,
                    query_pre_attn_scalar=24, attn_logit_softcapping=2.0, final_logit_softcapping=4.0,
                    tie_word_embeddings=True),
-    "gemma3": dict(_TINY, model_type="gemma3_text", sliding_window=8, sliding_window_pattern=2,
+    "gemma3": dict(TINY_SHAPE, model_type="gemma3_text", sliding_window=8, sliding_window_pattern=2,
                    query_pre_attn_scalar=24, final_logit_softcapping=6.0, tie_word_embeddings=True,
                    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
                                     "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}),
     # Longrope switches to its long factors at position 64, which the generated tokens cross (the prompts stay
     # below it: there HF switches a whole forward pass at once, see layers/rotary.py).
-    "phi3-longrope": dict(_TINY, model_type="phi3", sliding_window=12, original_max_position_embeddings=64,
+    "phi3-longrope": dict(TINY_SHAPE, model_type="phi3", sliding_window=12, original_max_position_embeddings=64,
                           rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.3, 1.7, 2.0],
                                         "long_factor": [1.5, 3.0, 6.0, 9.0]},
                           partial_rotary_factor=0.5),
-    "llama-yarn": dict(_TINY, model_type="llama", rope_scaling={"rope_type": "yarn", "factor": 8.0,
+    "llama-yarn": dict(TINY_SHAPE, model_type="llama", rope_scaling={"rope_type": "yarn", "factor": 8.0,
                                                                 "original_max_position_embeddings": 32}),
 }
 

@@ -1,6 +1,6 @@
 """Adapters on nanovllm's layers (core/lora/layers.py) against PEFT, fp32 on the CPU.
 
-Tiny random Llama, Qwen3 and Phi-3 models (Phi-3: the family whose checkpoints, and adapters, name the packed
+Tiny random Llama (with biases), Qwen3 and Phi-3 models (Phi-3: the family whose checkpoints, and adapters, name the packed
 qkv_proj and gate_up_proj) get PEFT adapters with random, non-zero A and B, saved by PEFT. One projection's
 output is compared with PEFT's layers under each adapter; whole forwards of a batch mixing rows of two adapters
 and of the base model (one prefill of every prompt, then decode steps of one token per row) with each row's
@@ -11,7 +11,7 @@ import os
 
 import pytest
 import torch
-from conftest import ARCH_CONFIGS, save_random_hf_model
+from conftest import ARCH_CONFIGS, TINY_SHAPE, save_random_hf_model
 from reference import load_hf_model
 
 if not torch.cuda.is_available():
@@ -30,7 +30,8 @@ ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
 # family -> (model preset or config, its two adapters' LoRA configs)
 FAMILIES = {
-    "llama": ("tiny-llama", [
+    # biases on every projection: a column-parallel layer's is stacked with the adapters' A on the dense path
+    "llama": (dict(TINY_SHAPE, model_type="llama", attention_bias=True, mlp_bias=True), [
         dict(r=8, lora_alpha=16, target_modules=ATTENTION + MLP, rank_pattern={"down_proj": 4}),
         dict(r=16, lora_alpha=8, use_rslora=True, target_modules=["q_proj", "v_proj", "gate_proj"]),
     ]),
@@ -149,6 +150,10 @@ def test_mixed_batch_logits_match_peft_merged(family, path, family_dirs, merged_
     for adapter, slot in zip(adapter_dirs, SLOT_OF):
         lora.load(slot, load_adapter(adapter, MAX_RANK))
     slots = [-1 if a is None else SLOT_OF[a] for a in ROW_ADAPTERS]
+    if path == "dense":  # every A under its plain base weight: the base product makes the first update product
+        for layer in lora.layers.values():
+            assert layer.weight_and_a is not None
+            assert layer.base.weight.untyped_storage().data_ptr() == layer.lora_a.untyped_storage().data_ptr()
     batch = PagedBatch(model, lora, slots, max_len=64)
     logits = batch.step(PROMPTS)
     for step in range(2):

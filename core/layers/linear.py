@@ -67,14 +67,18 @@ class LinearBase(nn.Module):
             loaded = loaded.narrow(dim, tp_rank() * size, size)
         param.data.copy_(loaded)
 
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """x W^T + bias; `weight`: another matrix of `weight`'s type in its place (more rows: a LoRA layer's
+        weight with the adapters' A stacked under it)."""
         if self.fp8 is not None:  # without fused ops, every per-channel size that cuBLASLt takes goes to it
+            assert weight is None
             return fp8_linear(x, self.weight, self.weight_scale, self.fp8.block, bias,
                               TRITON_MAX_ROWS if self.skinny is not None else 0)
+        weight = self.weight if weight is None else weight
         # fp32 stays with cuBLAS: the kernel's tl.dot would round it to TF32.
         if self.skinny is not None and x.shape[0] <= self.skinny_max_rows and x.dtype != torch.float32:
-            return self.skinny(x, self.weight, bias)
-        return F.linear(x, self.weight, bias)
+            return self.skinny(x, weight, bias)
+        return F.linear(x, weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)

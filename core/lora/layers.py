@@ -2,7 +2,8 @@
 of its adapters (A [slots, slices, R, in], B [slots, out, R] with the adapter's scale folded in, R =
 max_lora_rank, and a rank per slot and slice), and adds, after its own product, each token's update from the
 slot the step gives that token (-1: none). On CUDA the update is kernels/lora.py's: its dense products where the
-pool is small next to the projection, else its two grouped launches for the whole batch; elsewhere
+pool is small next to the projection (with every A stored under a plain base weight, so that the base product
+makes the first of them), else its two grouped launches for the whole batch; elsewhere
 `add_lora_torch`, the same sum as plain torch ops slot by slot (the CPU path and the reference of both).
 
 A packed projection (q|k|v, gate|up) has one slice per part, each with its own A and its own columns of the
@@ -19,7 +20,7 @@ import torch
 from torch import nn
 
 from nanovllm.distributed import all_reduce
-from nanovllm.kernels.lora_dense import DENSE_MAX_EXTRA, add_lora_dense, dense_extra_flops, off_slot_mask
+from nanovllm.kernels.lora_dense import DENSE_MAX_EXTRA, add_dense_expand, add_lora_dense, dense_extra_flops, off_slot_mask
 from nanovllm.layers.fp8 import Fp8Activation
 from nanovllm.layers.linear import ColumnParallelLinear, LinearBase, RowParallelLinear
 from nanovllm.loaders.weights import checkpoint_target, load_whole
@@ -58,6 +59,15 @@ class StepSlots:
         self.off_slot: torch.Tensor | None = None
 
 
+def _stack_under(param: nn.Parameter, rows: int) -> torch.Tensor:
+    """A new tensor holding `param` with `rows` zero rows under it; `param` becomes a view of its top (its
+    loaders and every reader see the same values)."""
+    stacked = torch.zeros(param.shape[0] + rows, *param.shape[1:], dtype=param.dtype, device=param.device)
+    stacked[:param.shape[0]].copy_(param.data)
+    param.data = stacked[:param.shape[0]]
+    return stacked
+
+
 class LoRALinear(nn.Module):
     """A column- or row-parallel linear layer of nanovllm (`base`) with adapter slots (module docstring).
     `update`: one of UPDATES; None chooses (on CUDA dense where kernels/lora_dense.py says it pays, else triton; on
@@ -90,8 +100,18 @@ class LoRALinear(nn.Module):
         self.update = update
         # Stored slot-second (the dense products read each slice's A and the whole B as one matrix); `lora_a` and
         # `lora_b` are their slot-first views, which every path indexes.
-        self.register_buffer("lora_a_storage", torch.zeros(slices, max_loras, max_lora_rank, in_features,
-                                                           dtype=dtype, device=device), persistent=False)
+        a_shape = (slices, max_loras, max_lora_rank, in_features)
+        # On the dense path over a plain weight, every A is stored under the base weight, in one matrix: the base
+        # product then makes the update's first product too (its extra columns), in the same launch.
+        self.weight_and_a = self.bias_and_zeros = None
+        if update == "dense" and base.fp8 is None and base.weight.dtype == dtype:
+            self.weight_and_a = _stack_under(base.weight, slices * max_loras * max_lora_rank)
+            a_storage = self.weight_and_a[out_features:].view(a_shape)
+            if base.bias is not None and not self.row_parallel:
+                self.bias_and_zeros = _stack_under(base.bias, slices * max_loras * max_lora_rank)
+        else:
+            a_storage = torch.zeros(a_shape, dtype=dtype, device=device)
+        self.register_buffer("lora_a_storage", a_storage, persistent=False)
         self.register_buffer("lora_b_storage", torch.zeros(out_features, max_loras, max_lora_rank, dtype=dtype,
                                                            device=device), persistent=False)
         self.register_buffer("ranks", torch.zeros(max_loras, slices, dtype=torch.int32, device=device), persistent=False)
@@ -114,14 +134,25 @@ class LoRALinear(nn.Module):
         if isinstance(x, Fp8Activation):
             raise ValueError("a LoRA layer got FP8-quantized activations: adapters need the unquantized input, so "
                              "the activation quantization must not be fused into the layer before it")
-        if not self.row_parallel:
-            return self.add_update(x, self.base(x))
-        # RowParallelLinear.forward with the update added to this rank's partial product before the reduction
         base = self.base
-        y = self.add_update(x, base.matmul(x, None))
+        if not self.row_parallel:
+            return self.product_and_update(x, base.bias)
+        # RowParallelLinear.forward with the update added to this rank's partial product before the reduction
+        y = self.product_and_update(x, None)
         if base.reduce:
-            y = all_reduce(y)
+            y = all_reduce(y.contiguous())
         return y + base.bias if base.bias is not None else y
+
+    def product_and_update(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The base product of x (+ bias) with each token's adapter update added. With A stacked under the
+        weight, a view of the stacked product: rows wider than the output (every kernel downstream takes a row
+        stride)."""
+        if self.weight_and_a is None:
+            return self.add_update(x, self.base.matmul(x, bias))
+        width = self.slice_starts[-1]
+        stacked = self.base.matmul(x, None if bias is None else self.bias_and_zeros, self.weight_and_a)
+        return add_dense_expand(stacked[:, :width], stacked[:, width:], self.lora_b, self.slice_starts,
+                                self.step.off_slot)
 
     def add_update(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y += each token's adapter update of x, in place."""
