@@ -27,6 +27,11 @@ from nanovllm.kernels.pdl import await_previous_kernel, pdl_launch_args
 
 MAX_SPLIT_K = 8
 MAX_ROWS = 64  # above this cuBLAS is faster (at 256 rows 2-3x): larger batches and prefill chunks go to cuBLAS
+# Above this many bytes of weight a projection streams for longer than cuBLAS's fixed cost, and cuBLAS reads it
+# at 0.7-0.94 of the copy bandwidth where this kernel reaches 0.5-0.6 (H100: from 2560 x 2560 up to Qwen3-8B's
+# projections); at or below it (every Qwen3-0.6B projection) the two tie alone and this kernel's early start
+# under PDL wins the step.
+MAX_WEIGHT_BYTES = 12 * 2**20
 _CACHE_LINE = 128  # bytes per L2 prefetch
 WORKSPACE_FLOATS = 4 * 1024 * 1024  # 16 MiB of partial sums per device
 _MAX_TILES = 64 * 1024

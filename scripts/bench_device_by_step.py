@@ -18,18 +18,18 @@ from nanovllm import LLM
 from nanovllm_cli.bench import run_workload
 from nanovllm_cli.roofline import measure_ceilings
 
-DECODE_RANGES = ((1, 16), (17, 64), (65, 128), (129, 192), (193, 256))
+DECODE_RANGES = ((1, 16), (17, 64), (65, 128), (129, 192), (193, 256), (257, 512), (513, 1024))
 
 
 def record_steps(llm: LLM, records: list) -> None:
     """Append (batch size, prefill tokens, tokens, KV tokens attended, attention pairs of prefill chunks,
     device s) of every step the engine completes."""
-    complete = llm._loop._complete
+    finish = llm._loop._finish
 
-    def recording(step):
+    def recording(launched):
         before = llm.stats.device_s or 0.0
-        finished = complete(step)
-        batch = step.batch
+        finished = finish(launched)
+        batch = launched.batch
         starts = np.asarray(batch.start_positions, dtype=np.int64)
         if batch.num_prefill_tokens:
             new = np.asarray(batch.num_new_tokens, dtype=np.int64)
@@ -40,7 +40,7 @@ def record_steps(llm: LLM, records: list) -> None:
                         (llm.stats.device_s or 0.0) - before))
         return finished
 
-    llm._loop._complete = recording
+    llm._loop._finish = recording
 
 
 def main() -> None:

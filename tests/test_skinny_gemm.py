@@ -110,3 +110,18 @@ def test_qwen3_0_6b_projections_with_default_configs(dtype, m):
     outputs = [skinny_linear(x, w) for x, w in inputs]
     for (x, w), out in zip(inputs, outputs):
         assert relative_error(out, F.linear(x.float(), w.float())) < 1e-2
+
+
+def test_only_small_weights_take_the_kernel():
+    """Above MAX_WEIGHT_BYTES a projection's decode batches stay with cuBLAS (it streams a large weight faster);
+    at or below it they take the kernel. The layers are built on the meta device: only their shapes matter."""
+    from nanovllm.kernels.skinny_gemm import MAX_WEIGHT_BYTES
+    from nanovllm.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+    with torch.device("meta"):
+        small = ColumnParallelLinear(1024, 6144, fused=True)  # Qwen3-0.6B's gate|up: 12 MiB in bf16
+        large = RowParallelLinear(4096, 4096, fused=True)  # Qwen3-8B's o_proj: 32 MiB
+        plain = ColumnParallelLinear(1024, 1024)
+    assert 6144 * 1024 * 2 <= MAX_WEIGHT_BYTES < 4096 * 4096 * 2
+    assert small.skinny is not None and large.skinny is None and plain.skinny is None
+    assert small.fused and large.fused and not plain.fused  # FP8 weights keep their kernel choice either way

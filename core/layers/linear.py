@@ -36,18 +36,21 @@ class LinearBase(nn.Module):
     """y = x W^T + b with W of shape [output_size, input_size]; `shard_dim` is the dim split across ranks.
 
     `fused` (CUDA): decode-sized half-precision batches go through the skinny GEMM kernel, which joins the
-    decode step's chain of programmatically launched kernels (kernels/pdl.py), instead of cuBLAS."""
+    decode step's chain of programmatically launched kernels (kernels/pdl.py), instead of cuBLAS — where the
+    weight (this rank's shard) is small enough for that to pay (kernels/skinny_gemm.py `MAX_WEIGHT_BYTES`)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool, shard_dim: int | None, fused: bool = False):
         super().__init__()
         self.shard_dim = shard_dim
         self.fp8 = None  # the FP8 scheme once `weight` is float8 with its `weight_scale` (layers/fp8.py)
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        self.fused = fused
         self.skinny = None
         if fused:  # imported only when used: the CPU path needs no Triton
-            from nanovllm.kernels.skinny_gemm import MAX_ROWS, skinny_linear, workspace
+            from nanovllm.kernels.skinny_gemm import MAX_ROWS, MAX_WEIGHT_BYTES, skinny_linear, workspace
 
-            self.skinny, self.skinny_max_rows = skinny_linear, MAX_ROWS
+            if output_size * input_size * 2 <= MAX_WEIGHT_BYTES:  # the kernel runs half precision only
+                self.skinny, self.skinny_max_rows = skinny_linear, MAX_ROWS
             if self.weight.is_cuda:
                 workspace(self.weight.device)
         full = [output_size, input_size]
@@ -73,7 +76,7 @@ class LinearBase(nn.Module):
         if self.fp8 is not None:  # without fused ops, every per-channel size that cuBLASLt takes goes to it
             assert weight is None
             return fp8_linear(x, self.weight, self.weight_scale, self.fp8.block, bias,
-                              TRITON_MAX_ROWS if self.skinny is not None else 0)
+                              TRITON_MAX_ROWS if self.fused else 0)
         weight = self.weight if weight is None else weight
         # fp32 stays with cuBLAS: the kernel's tl.dot would round it to TF32.
         if self.skinny is not None and x.shape[0] <= self.skinny_max_rows and x.dtype != torch.float32:
