@@ -1,7 +1,7 @@
 """Structured-output costs per phase, on the host (and the mask kernel on a GPU); JSON lines. Runs on the CPU.
 
 For each constraint (`--constraints`; the defaults are the kinds of a labelling job: a small and a nested schema,
-a regex, any JSON object, a choice):
+a regex, any JSON object, a choice; and `bench --structured-matrix`'s EBNF grammar):
 - compile: cold (a fresh key), cached (the same key again);
 - step: `--rows` rows of it, each walked a random number of tokens along random allowed tokens (so they sit at
   different places: keys, strings, numbers), then one step's host phases as GrammarManager runs them: the
@@ -36,6 +36,7 @@ from nanovllm.kernels.token_bitmask import apply_token_bitmask_torch, apply_toke
 from nanovllm.loaders.resolve import resolve_model
 from nanovllm.structured import GrammarCompileCache, GrammarManager, StructuredOutputsParams
 from nanovllm.structured.compile_cache import host_cpus
+from nanovllm_cli.bench_matrix import EBNF
 from nanovllm_cli.roofline import median_cuda_ms
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,6 +63,7 @@ CONSTRAINTS = {
     "regex": {"regex": r"\d{4}-\d{2}-\d{2}( [A-Za-z]+){1,8}"},
     "json_object": {"json_object": True},
     "choice": {"choice": ["positive", "negative", "neutral", "mixed", "off-topic"]},
+    "ebnf": {"grammar": EBNF},  # bench --structured-matrix's grammar
 }
 
 
