@@ -68,3 +68,55 @@ def test_mixed_adapters_match_peft_fp32(case, variant):
         base_rows = [row for row, adapter in enumerate(ROW_ADAPTERS) if adapter is None]
         base = llm.generate([PROMPTS[row] for row in base_rows], GREEDY)  # no adapter in any step
         assert [o.token_ids for o in base] == [expected[row] for row in base_rows]
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 64, 200])
+def test_stacked_layers_with_biases_in_bf16_match_the_torch_path(tokens):
+    """The dense path's one product over the weight with every A stacked under it, in bf16, the column-parallel
+    layers with biases (the skinny kernel up to 64 rows, cuBLAS above), against the torch path on copies of the
+    same layers and adapters; the strided outputs then through SiLU-and-mul and RMSNorm as a decoder layer runs
+    them."""
+    from nanovllm.kernels.fused_ops import rms_norm, silu_and_mul
+    from nanovllm.kernels.lora_dense import off_slot_mask
+    from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+    from nanovllm.lora.adapter import LoRAModule
+    from nanovllm.lora.layers import LoRALinear, StepSlots
+
+    hidden, heads, kv_heads, head_dim, inter, slots, rank = 256, 4, 2, 64, 512, 4, 16
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*shape, scale=0.05):
+        return (torch.randn(*shape, generator=gen, device="cuda") * scale).to(torch.bfloat16)
+
+    built = {"qkv": lambda: QKVParallelLinear(hidden, head_dim, heads, kv_heads, bias=True, fused=True),
+             "gate_up": lambda: MergedColumnParallelLinear(hidden, [inter] * 2, bias=True, fused=True),
+             "down": lambda: RowParallelLinear(inter, hidden, fused=True)}  # its bias would be added after
+    step = StepSlots()
+    step.token_slots = (torch.arange(tokens, device="cuda", dtype=torch.int32) % (slots + 1)) - 1
+    step.off_slot = off_slot_mask(step.token_slots, torch.arange(slots, device="cuda", dtype=torch.int32))
+    x = {"qkv": randn(tokens, hidden, scale=1.0), "gate_up": randn(tokens, hidden, scale=1.0),
+         "down": randn(tokens, inter, scale=1.0)}
+    outputs = {}
+    with torch.device("cuda"), torch.inference_mode():
+        for name, make in built.items():
+            layers = {update: make().to(torch.bfloat16) for update in ("dense", "torch")}
+            weight, bias = randn(*layers["dense"].weight.shape), randn(layers["dense"].weight.shape[0])
+            modules = {None: LoRAModule(randn(rank, weight.shape[1]), randn(weight.shape[0], rank), 2.0)}
+            for update, layer in layers.items():
+                layer.weight.copy_(weight)
+                if layer.bias is not None:
+                    layer.bias.copy_(bias)
+                wrapped = LoRALinear(layer, slots, rank, torch.bfloat16, step, update)
+                for slot in range(slots):
+                    wrapped.write_slot(slot, modules if slot % 2 else {}, name)
+                outputs[name, update] = wrapped(x[name])
+            assert outputs[name, "dense"].stride(0) > outputs[name, "dense"].shape[1]  # a view of the stacked rows
+            expected = outputs[name, "torch"].float()
+            assert (outputs[name, "dense"].float() - expected).abs().max() <= 0.02 * expected.abs().max()
+        for update in ("dense", "torch"):
+            outputs["act", update] = silu_and_mul(outputs["gate_up", update]).float()
+            outputs["norm", update] = rms_norm(outputs["down", update], torch.ones(hidden, device="cuda",
+                                               dtype=torch.bfloat16), 1e-6).float()
+    for name in ("act", "norm"):
+        expected = outputs[name, "torch"]
+        assert (outputs[name, "dense"] - expected).abs().max() <= 0.02 * expected.abs().max()

@@ -231,11 +231,14 @@ def test_adapter_of_another_base_model_is_refused(family_dirs, tmp_path):
         lora.load(0, load_adapter(adapter, MAX_RANK))
 
 
-def test_tensor_parallel_shards_add_up_to_one_rank(monkeypatch):
+@pytest.mark.parametrize("update", ["torch", "dense"])
+def test_tensor_parallel_shards_add_up_to_one_rank(update, monkeypatch):
     """q|k|v, gate|up and down of tensor-parallel size 2, each rank's layer built and loaded as that rank (its
     heads and rows of B, its columns of A for the row-parallel down): the ranks' q, k, v and gate, up columns
-    side by side, and their partial down products summed, equal the single rank's layers."""
+    side by side, and their partial down products summed, equal the single rank's layers. On the dense path each
+    rank's A is stacked under its own shard of the weight (the down's partial first product summed with it)."""
     from nanovllm import distributed
+    from nanovllm.kernels.lora_dense import off_slot_mask
     from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
     from nanovllm.loaders.weights import load_whole
     from nanovllm.lora.adapter import LoRAModule
@@ -256,6 +259,7 @@ def test_tensor_parallel_shards_add_up_to_one_rank(monkeypatch):
     x, x_inter = torch.randn(tokens, hidden, generator=gen), torch.randn(tokens, inter, generator=gen)
     step = StepSlots()
     step.token_slots = torch.tensor([1, -1, 1, 0, 1, -1, 1], dtype=torch.int32)
+    step.off_slot = off_slot_mask(step.token_slots, torch.arange(2, dtype=torch.int32))
 
     def layers():
         built = {"qkv": QKVParallelLinear(hidden, head_dim, heads, kv_heads),
@@ -263,14 +267,15 @@ def test_tensor_parallel_shards_add_up_to_one_rank(monkeypatch):
         out = {}
         for name, layer in built.items():
             load_whole(layer.weight, layer.weight_loader, full[name])
-            out[name] = LoRALinear(layer, 2, MAX_RANK, torch.float32, step, "torch")
+            out[name] = LoRALinear(layer, 2, MAX_RANK, torch.float32, step, update)
+            assert (out[name].weight_and_a is not None) == (update == "dense")
             out[name].write_slot(1, adapters[name], name)
         return out
 
     def outputs(built, x_down):
         down = built["down"]
         return {"qkv": built["qkv"](x), "gate_up": built["gate_up"](x),
-                "down": down.add_update(x_down, down.base.matmul(x_down, None))}  # before the all-reduce
+                "down": down.product_and_update(x_down, None)}  # before the all-reduce
 
     with torch.inference_mode():
         single = layers()

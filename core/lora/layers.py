@@ -149,6 +149,8 @@ class LoRALinear(nn.Module):
         stride)."""
         if self.weight_and_a is None:
             return self.add_update(x, self.base.matmul(x, bias))
+        assert self.base.weight.data_ptr() == self.weight_and_a.data_ptr(), \
+            "a LoRA layer's weight was moved or replaced after the adapters' A were stacked under it"
         width = self.slice_starts[-1]
         stacked = self.base.matmul(x, None if bias is None else self.bias_and_zeros, self.weight_and_a)
         return add_dense_expand(stacked[:, :width], stacked[:, width:], self.lora_b, self.slice_starts,
