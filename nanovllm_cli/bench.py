@@ -336,7 +336,7 @@ def bench(
     if save_workload_path is not None and not save_workload_path.parent.is_dir():
         raise o.fail(f"--save-workload {save_workload_path}: no directory {save_workload_path.parent}; create it first")
     if replicated:
-        from nanovllm_cli.replicas import load_replicas
+        from nanovllm_cli.replica_start import load_replicas
 
         llm = load_replicas(engine)
     else:

@@ -11,6 +11,7 @@ graph capture) and start slower side by side than alone.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import math
 import os
 from collections.abc import Iterator
@@ -60,11 +61,27 @@ def plan_replicas(size: int, tp: int, on_gpu: bool, visible: list[str], utilizat
     return placements
 
 
+def gpu_count() -> int:
+    """The GPUs the driver has, through NVML (as torch counts them without a CUDA context, but without importing
+    torch: the parent starts its replicas before it imports the engine); torch's count where NVML is missing."""
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        import torch
+
+        return torch.cuda.device_count()
+    count = ctypes.c_uint(0)
+    if nvml.nvmlInit_v2() != 0:
+        return 0
+    try:
+        return count.value if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) == 0 else 0
+    finally:
+        nvml.nvmlShutdown()
+
+
 def visible_gpus() -> list[str]:
     """The GPUs this process sees, as CUDA_VISIBLE_DEVICES entries (without creating a CUDA context)."""
-    import torch
-
-    count = torch.cuda.device_count()
+    count = gpu_count()
     listed = os.environ.get("CUDA_VISIBLE_DEVICES")
     if listed is None:
         return [str(i) for i in range(count)]

@@ -60,7 +60,7 @@ class EngineActor:
         """Check OUTPUT and the model on this node, then start the engine; returns where it runs and how long it
         took to start. Raises OutputNotWritable, ModelNotOnNode or the engine's start error."""
         from nanovllm_cli.ray_processor import check_model_on_node
-        from nanovllm_cli.replicas import start_replicas
+        from nanovllm_cli.replica_start import start_replicas
         from nanovllm_cli.shards import probe_output
 
         started = time.monotonic()

@@ -32,112 +32,30 @@ engine runs, fed through a pipe:
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
-import queue
 import signal
-import threading
 import time
-import traceback
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
+from multiprocessing.context import SpawnContext
 from multiprocessing.process import BaseProcess
 
 from nanovllm import EngineInfo, PromptTokenizer, SamplingParams
-from nanovllm_cli import options as o
 from nanovllm_cli.admission import PrefixGroup
-from nanovllm_cli.job import EngineFailure, EngineFeeder, Finished, JobFailed, RowFailure
-from nanovllm_cli.options import EngineOptions
-from nanovllm_cli.placement import Placement, PlacementError, born_with, plan_replicas, visible_gpus
+from nanovllm_cli.job import Finished, JobFailed, RowFailure
+from nanovllm_cli.placement import Placement
+from nanovllm_cli.replica_process import DEFAULT_RESTARTS, ReplicaProcess, start_replica_process
 from nanovllm_cli.rows import RowRequest
 
-REPORT_INTERVAL_S = 0.5  # how often a replica sends its engine report (progress figures)
 WAIT_S = 0.25  # longest wait for replicas' messages in one `step()` (the display ticks between)
 STOP_TIMEOUT_S = 30.0  # for replicas to leave after a stop message
-DEFAULT_RESTARTS = 3  # restarts of each replica after it died
 AFFINITY_ENTRIES = 4096  # prefixes whose replica is remembered
 
 
 class ReplicaFailed(JobFailed):
     """No replica is left (each died more often than it may be restarted), or none could start: the job ends."""
 
-
-# ---- the replica process ------------------------------------------------------------------------------------------
-
-def _read_inbox(conn: Connection, inbox: queue.Queue) -> None:
-    """The pipe from the parent, drained into `inbox` by a thread, so the parent's sends never wait on a step.
-    EOF (the parent is gone) reads as a stop."""
-    while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):
-            message = ("stop",)
-        inbox.put(message)
-        if message[0] == "stop":
-            return
-
-
-def replica_main(model: str | None, engine_args: dict, conn_in: Connection, conn_out: Connection) -> None:
-    """A replica: load the engine, report its info, then feed it the groups the parent sends, sending back the
-    ids that enter the engine (before the step that first runs them), the finished rows and, every
-    REPORT_INTERVAL_S, the engine's report; a function the parent sends is called with the engine and its
-    result sent back. Ends on a stop message (sending a last report) or on EOF."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent handles it
-    from nanovllm import LLM
-
-    try:
-        llm = LLM(model, **engine_args)
-    except Exception as exc:  # noqa: BLE001 (the parent reports it as this replica's)
-        conn_out.send(("error", f"cannot load the model: {type(exc).__name__}: {exc}"))
-        return
-    inbox: queue.Queue = queue.Queue()
-    threading.Thread(target=_read_inbox, args=(conn_in, inbox), daemon=True).start()
-    with llm:
-        feeder = EngineFeeder(llm, on_admit=lambda ids: conn_out.send(("admitted", ids)))
-        conn_out.send(("ready", llm.info, llm.report()))
-        reported = time.monotonic()
-        try:
-            while True:
-                message = inbox.get() if feeder.idle() else _get_nowait(inbox)
-                while message is not None:
-                    if message[0] == "stop":
-                        conn_out.send(("report", llm.report()))
-                        return
-                    if message[0] == "groups":
-                        feeder.add([PrefixGroup(deque(group)) for group in message[1]])
-                    elif message[0] == "withdraw":
-                        conn_out.send(("withdrawn", [[r.id for r in g] for g in feeder.withdraw(message[1])]))
-                    elif message[0] == "call":
-                        conn_out.send(("result", message[1](llm, *message[2])))
-                    message = _get_nowait(inbox)
-                if feeder.idle():
-                    continue
-                try:
-                    finished = feeder.step()
-                except EngineFailure as failure:
-                    conn_out.send(("failed", str(failure), failure.problem, [r.id for r in failure.requests]))
-                    return
-                report = None
-                if time.monotonic() - reported >= REPORT_INTERVAL_S or feeder.idle():
-                    report, reported = llm.report(), time.monotonic()
-                if finished or report is not None:
-                    conn_out.send(("finished", [(r.id, result) for r, result in finished], report))
-        except (BrokenPipeError, EOFError):
-            return  # the parent is gone
-        except Exception:  # noqa: BLE001 (reported as this replica's error; the parent restarts it)
-            with contextlib.suppress(OSError):
-                conn_out.send(("error", traceback.format_exc()))
-
-
-def _get_nowait(inbox: queue.Queue) -> tuple | None:
-    try:
-        return inbox.get_nowait()
-    except queue.Empty:
-        return None
-
-
-# ---- the parent's side --------------------------------------------------------------------------------------------
 
 @dataclass
 class Replica:
@@ -202,17 +120,19 @@ def _why_dead(process: BaseProcess) -> str:
 class ReplicaPool:
     """N replicas behind the `job.Engine` interface; use as a context manager (it stops the replicas).
 
-    The replicas start when it is made; call `await_first` before using it. `on_event(message)`: a replica died,
+    `replica_start.spawn_replicas` makes it, the first wave's processes already started; call `await_first`
+    before using it. `on_event(message)`: a replica died,
     was restarted or retired."""
 
-    def __init__(self, model: str | None, engine_args: dict, placements: list[Placement], *,
-                 max_restarts: int = DEFAULT_RESTARTS, on_event: Callable[[str], None] = lambda message: None):
+    def __init__(self, model: str | None, engine_args: dict, placements: list[Placement], ctx: SpawnContext,
+                 started: dict[int, ReplicaProcess], *, max_restarts: int = DEFAULT_RESTARTS,
+                 on_event: Callable[[str], None] = lambda message: None):
         self.model = model
         self.engine_args = engine_args
         self.max_restarts = max_restarts
         self.on_event = on_event
         self.prompts: PromptTokenizer | None = None
-        self.ctx = mp.get_context("spawn")
+        self.ctx = ctx
         self.replicas = [Replica(index, p) for index, p in enumerate(placements)]
         self.pending: deque[list[RowRequest]] = deque()  # groups not yet sent to a replica
         self.suspects: deque[RowRequest] = deque()  # rows that were in the engine of a replica that died
@@ -228,11 +148,8 @@ class ReplicaPool:
         self.info: EngineInfo | None = None
         self.block_size = self.chunk = self.room = 0
         self.wave = 0
-        try:
-            self._start_wave()
-        except BaseException:
-            self.close()
-            raise
+        for index, process in started.items():  # the first wave, started before this process imported the engine
+            self._adopt(self.replicas[index], process)
 
     # ---- start ------------------------------------------------------------------------------------------------
 
@@ -258,19 +175,13 @@ class ReplicaPool:
                 self._spawn(replica)
 
     def _spawn(self, replica: Replica) -> None:
-        args = dict(self.engine_args)
-        if replica.placement.gpu_memory_utilization is not None:
-            args["gpu_memory_utilization"] = replica.placement.gpu_memory_utilization
-        to_child, from_parent = self.ctx.Pipe(duplex=False)
-        to_parent, from_child = self.ctx.Pipe(duplex=False)
-        process = self.ctx.Process(target=replica_main, args=(self.model, args, to_child, from_child),
-                                   name=f"nanovllm-replica-{replica.index}")
-        with born_with(replica.placement):
-            process.start()
-        to_child.close()
-        from_child.close()
-        replica.process, replica.send_end, replica.recv_end = process, from_parent, to_parent
-        replica.state, replica.spawned, replica.report = "starting", time.monotonic(), None
+        self._adopt(replica, start_replica_process(self.ctx, self.model, self.engine_args, replica.placement,
+                                                   replica.index))
+
+    @staticmethod
+    def _adopt(replica: Replica, started: ReplicaProcess) -> None:
+        replica.process, replica.send_end, replica.recv_end = started.process, started.send_end, started.recv_end
+        replica.state, replica.spawned, replica.report = "starting", started.spawned, None
 
     def _joined(self, replica: Replica, message: tuple) -> None:
         replica.info, replica.report = message[1], message[2]
@@ -614,71 +525,6 @@ class ReplicaPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def spawn_replicas(model: str | None, args: dict, size: int, *, max_restarts: int = DEFAULT_RESTARTS,
-                   on_event: Callable[[str], None] = lambda message: None) -> ReplicaPool:
-    """`size` replicas of `LLM(model, **args)` placed on the visible devices and started; returns at once, before
-    they are ready (`ReplicaPool.await_first`). Raises PlacementError when they do not fit."""
-    import torch
-
-    on_gpu = args.get("device", "cuda" if torch.cuda.is_available() else "cpu") != "cpu"
-    placements = plan_replicas(size, args.get("tensor_parallel_size", 1), on_gpu, visible_gpus() if on_gpu else [],
-                               args.get("gpu_memory_utilization"))
-    return ReplicaPool(model, args, placements, max_restarts=max_restarts, on_event=on_event)
-
-
-def start_replicas(model: str | None, args: dict, size: int, *, max_restarts: int = DEFAULT_RESTARTS,
-                   on_event: Callable[[str], None] = lambda message: None) -> ReplicaPool:
-    """`spawn_replicas`, then `await_first`: returns once one is ready. Raises PlacementError, ReplicaFailed (no
-    replica could start) or the tokenizer's error."""
-    pool = spawn_replicas(model, args, size, max_restarts=max_restarts, on_event=on_event)
-    try:
-        pool.await_first()
-    except BaseException:
-        pool.close()
-        raise
-    return pool
-
-
-def spawn_engine_replicas(engine: EngineOptions, seed: int | None = None, *, max_restarts: int = DEFAULT_RESTARTS,
-                          on_event: Callable[[str], None] = lambda message: None) -> ReplicaPool:
-    """`spawn_replicas` for `engine.data_parallel_size` replicas of the engine these options describe; a clean
-    usage error (exit 2) when the options or the placement do not work. `run` starts them before its checks of
-    INPUT and OUTPUT, which then overlap the replicas' start (`ready_replicas` waits for them)."""
-    try:
-        args = engine.args(seed)
-    except ValueError as exc:
-        raise o.fail(str(exc)) from None
-    try:
-        return spawn_replicas(engine.model, args, engine.data_parallel_size, max_restarts=max_restarts,
-                              on_event=on_event)
-    except PlacementError as exc:
-        raise o.fail(str(exc)) from None
-
-
-def ready_replicas(pool: ReplicaPool, engine: EngineOptions) -> ReplicaPool:
-    """`pool.await_first()` with clean usage errors (exit 2, nothing run) when the model does not work, then the
-    options' chat template. The caller closes the pool if this raises."""
-    try:
-        pool.await_first()
-    except ReplicaFailed as exc:
-        raise o.fail(f"cannot start the replicas: {exc}") from None
-    except (ValueError, OSError, ImportError, RuntimeError, KeyError) as exc:
-        raise o.fail(f"cannot load the model: {exc}") from None
-    o.use_chat_template(engine, pool.prompts)
-    return pool
-
-
-def load_replicas(engine: EngineOptions, seed: int | None = None, *, max_restarts: int = DEFAULT_RESTARTS,
-                  on_event: Callable[[str], None] = lambda message: None) -> ReplicaPool:
-    """`spawn_engine_replicas`, then `ready_replicas`."""
-    pool = spawn_engine_replicas(engine, seed, max_restarts=max_restarts, on_event=on_event)
-    try:
-        return ready_replicas(pool, engine)
-    except BaseException:
-        pool.close()
-        raise
 
 
 def merge_reports(reports: list[dict]) -> dict:

@@ -225,17 +225,18 @@ def run_local(input_name: str, output_name: str | None, input_format: str | None
     from rich.console import Console
 
     from nanovllm_cli.display import notice
-    from nanovllm_cli.locations import open_input, open_output
-    from nanovllm_cli.progress import loading
 
     console = Console(stderr=True)
     replicas = None
-    if engine.data_parallel_size > 1:  # started first: they load while this process reads and checks the files
-        from nanovllm_cli.replicas import spawn_engine_replicas
+    if engine.data_parallel_size > 1:  # started first, before this process imports the engine (replica_start.py):
+        from nanovllm_cli.replica_start import spawn_engine_replicas  # they load while it reads and checks the files
 
         replicas = spawn_engine_replicas(engine, seed, max_restarts=job.max_restarts,
                                          on_event=lambda message: notice(console, message))
     try:
+        from nanovllm_cli.locations import open_input, open_output
+        from nanovllm_cli.progress import loading
+
         with loading(job.quiet) as stage:
             stage("reading INPUT")
             try:
@@ -325,7 +326,7 @@ def checked_job(source_in: InputLocation, target: OutputLocation, engine: Engine
         stage("loading the model" + (f" ({engine.data_parallel_size} replicas)" if engine.data_parallel_size > 1
                                      else ""), log=True)
         if replicas is not None:
-            from nanovllm_cli.replicas import ready_replicas
+            from nanovllm_cli.replica_start import ready_replicas
 
             source = ready_replicas(replicas, engine)
         else:

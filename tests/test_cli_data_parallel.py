@@ -177,7 +177,7 @@ def poisoned_replica_main(model, engine_args, conn_in, conn_out):
     """`replica_main` whose engine kills its own process at a step running a row whose prompt holds POISON (as a
     row that crashes the engine would)."""
     from nanovllm import LLM
-    from nanovllm_cli.replicas import replica_main
+    from nanovllm_cli.replica_worker import replica_main
 
     add_request, step = LLM.add_request, LLM.step
 
@@ -195,9 +195,9 @@ def poisoned_replica_main(model, engine_args, conn_in, conn_out):
 
 
 def test_a_row_that_kills_two_replicas_gets_an_error_record_and_the_others_finish(tmp_path, monkeypatch):
-    import nanovllm_cli.replicas as replicas
+    import nanovllm_cli.replica_process as replica_process
 
-    monkeypatch.setattr(replicas, "replica_main", poisoned_replica_main)
+    monkeypatch.setattr(replica_process, "_replica_entry", poisoned_replica_main)
     rows = [{"id": f"r{i}", "prompt_token_ids": [i + 1] * (3 + i % 5)} for i in range(16)]
     rows.insert(5, {"id": "poison", "prompt_token_ids": [7, POISON, 7]})
     path, out = write_jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl"
@@ -267,17 +267,46 @@ def test_replicas_start_before_the_checks_and_stop_when_a_check_fails(tmp_path, 
     checks); a check that fails still ends with exit 2 and no replica left running."""
     import multiprocessing
 
-    from nanovllm_cli.replicas import ReplicaPool
+    import nanovllm_cli.replica_start as replica_start
 
     spawned = []
-    spawn = ReplicaPool._spawn
-    monkeypatch.setattr(ReplicaPool, "_spawn", lambda pool, replica: (spawned.append(replica.index),
-                                                                      spawn(pool, replica)))
+    start = replica_start.start_replica_process
+    monkeypatch.setattr(replica_start, "start_replica_process", lambda *args: (spawned.append(args[-1]),
+                                                                               start(*args))[1])
     rows = [{"id": "a", "prompt_token_ids": [1, 2]}, {"id": "a", "prompt_token_ids": [3]}]
     result = invoke("run", write_jsonl(tmp_path / "in.jsonl", rows), "-o", tmp_path / "out.jsonl", *SHAPE,
                     "--device", "cpu", "--data-parallel-size", 2)
     assert result.exit_code == 2 and "INPUT repeats ids" in result.stderr, result.stderr
     assert sorted(spawned) == [0, 1] and not multiprocessing.active_children()
+
+
+START_WITHOUT_THE_ENGINE = """
+import sys
+import nanovllm_cli.placement as placement
+import nanovllm_cli.replica_start as replica_start
+
+placement.gpu_count = lambda: 2  # what NVML reports on a 2-GPU host, without torch
+seen = []
+
+def record(ctx, model, args, where, index):
+    seen.append((index, where.devices, "torch" in sys.modules, "nanovllm" in sys.modules))
+    raise KeyboardInterrupt  # stop before a process is started
+
+replica_start.start_replica_process = record
+try:
+    replica_start.spawn_replicas("tiny-qwen3", {}, 2)
+except KeyboardInterrupt:
+    print(seen)
+"""
+
+
+def test_the_parent_starts_its_replicas_before_it_imports_the_engine():
+    """On a GPU host the parent places and starts the replicas' processes with neither torch nor the engine
+    imported (their own imports and loads then overlap the parent's): GPUs counted through the driver."""
+    result = subprocess.run([sys.executable, "-c", START_WITHOUT_THE_ENGINE], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[(0, ('0',), False, False)]", result.stdout
 
 
 def test_a_replica_whose_engine_fails_in_a_step_reports_the_rows_of_that_step(monkeypatch):
@@ -287,7 +316,7 @@ def test_a_replica_whose_engine_fails_in_a_step_reports_the_rows_of_that_step(mo
     import multiprocessing as mp
 
     from nanovllm import LLM, SamplingParams
-    from nanovllm_cli.replicas import replica_main
+    from nanovllm_cli.replica_worker import replica_main
     from nanovllm_cli.rows import RowRequest
 
     def broken_step(self):
