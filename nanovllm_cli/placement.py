@@ -61,31 +61,38 @@ def plan_replicas(size: int, tp: int, on_gpu: bool, visible: list[str], utilizat
     return placements
 
 
-def gpu_count() -> int:
+def gpu_count() -> int | None:
     """The GPUs the driver has, through NVML (as torch counts them without a CUDA context, but without importing
-    torch: the parent starts its replicas before it imports the engine); torch's count where NVML is missing."""
+    torch: the parent starts its replicas before it imports the engine); None where NVML is missing or fails."""
     try:
         nvml = ctypes.CDLL("libnvidia-ml.so.1")
     except OSError:
-        import torch
-
-        return torch.cuda.device_count()
-    count = ctypes.c_uint(0)
+        return None
     if nvml.nvmlInit_v2() != 0:
-        return 0
+        return None
     try:
-        return count.value if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) == 0 else 0
+        count = ctypes.c_uint(0)
+        return count.value if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) == 0 else None
     finally:
         nvml.nvmlShutdown()
 
 
 def visible_gpus() -> list[str]:
-    """The GPUs this process sees, as CUDA_VISIBLE_DEVICES entries (without creating a CUDA context)."""
+    """The GPUs this process sees, as CUDA_VISIBLE_DEVICES entries (without creating a CUDA context). NVML's count
+    answers where the variable is unset or lists distinct ordinals below it; anything else (-1, UUIDs, repeats,
+    ordinals past the count, no NVML) is read as torch reads it."""
     count = gpu_count()
     listed = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if listed is None:
+    entries = None if listed is None else [d.strip() for d in listed.split(",") if d.strip()]
+    if count is not None and entries is None:
         return [str(i) for i in range(count)]
-    return [d.strip() for d in listed.split(",") if d.strip()][:count]
+    if (count is not None and all(e.isdigit() and int(e) < count for e in entries)
+            and len({int(e) for e in entries}) == len(entries)):
+        return entries
+    import torch
+
+    count = torch.cuda.device_count()
+    return [str(i) for i in range(count)] if entries is None else entries[:count]
 
 
 @contextlib.contextmanager

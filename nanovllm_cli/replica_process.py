@@ -2,6 +2,7 @@
 the parent starts its replicas before it imports the engine (replica_start.py)."""
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -44,3 +45,13 @@ def start_replica_process(ctx: SpawnContext, model: str | None, engine_args: dic
     child_reads.close()
     child_writes.close()
     return ReplicaProcess(process, parent_writes, parent_reads, time.monotonic())
+
+
+def stop_replica_process(started: ReplicaProcess) -> None:
+    """Kill a started replica and reap it: its process joined, its pipe ends closed."""
+    if started.process.is_alive():
+        started.process.kill()
+    started.process.join()
+    for end in (started.send_end, started.recv_end):
+        with contextlib.suppress(OSError):
+            end.close()

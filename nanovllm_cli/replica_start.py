@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from nanovllm_cli import options as o
 from nanovllm_cli.options import EngineOptions
 from nanovllm_cli.placement import PlacementError, plan_replicas, visible_gpus
-from nanovllm_cli.replica_process import DEFAULT_RESTARTS, start_replica_process
+from nanovllm_cli.replica_process import DEFAULT_RESTARTS, ReplicaProcess, start_replica_process, stop_replica_process
 
 if TYPE_CHECKING:
     from nanovllm_cli.replicas import ReplicaPool
@@ -23,20 +23,23 @@ def spawn_replicas(model: str | None, args: dict, size: int, *, max_restarts: in
                    on_event: Callable[[str], None] = lambda message: None) -> ReplicaPool:
     """`size` replicas of `LLM(model, **args)` placed on the visible devices and started; returns at once, before
     they are ready (`ReplicaPool.await_first`). Raises PlacementError when they do not fit."""
-    gpus = visible_gpus()
-    on_gpu = args.get("device", "cuda" if gpus else "cpu") != "cpu"
-    placements = plan_replicas(size, args.get("tensor_parallel_size", 1), on_gpu, gpus if on_gpu else [],
+    on_gpu = args.get("device", "cuda") != "cpu"
+    gpus = visible_gpus() if on_gpu else []
+    on_gpu = on_gpu and (bool(gpus) or "device" in args)  # no device named: the GPUs if any, else the CPU
+    placements = plan_replicas(size, args.get("tensor_parallel_size", 1), on_gpu, gpus,
                                args.get("gpu_memory_utilization"))
     ctx = mp.get_context("spawn")
-    first = {index: start_replica_process(ctx, model, args, placement, index)
-             for index, placement in enumerate(placements) if placement.wave == 0}
+    first: dict[int, ReplicaProcess] = {}
     try:
+        for index, placement in enumerate(placements):
+            if placement.wave == 0:
+                first[index] = start_replica_process(ctx, model, args, placement, index)
         from nanovllm_cli.replicas import ReplicaPool  # the engine's types: imported while the replicas load
 
         return ReplicaPool(model, args, placements, ctx, first, max_restarts=max_restarts, on_event=on_event)
     except BaseException:
         for started in first.values():
-            started.process.kill()
+            stop_replica_process(started)
         raise
 
 

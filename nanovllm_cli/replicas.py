@@ -245,7 +245,9 @@ class ReplicaPool:
 
     def _receive(self, replicas: list[Replica], timeout: float | None) -> list[tuple[Replica, BaseProcess, tuple]]:
         """The messages waiting from `replicas` (waiting up to `timeout` for the first), each with the process that
-        sent it; a replica whose process ended or whose pipe broke gives ("dead",) after its last messages."""
+        sent it; a replica whose process ended or whose pipe broke gives ("dead",) after its last messages. A
+        replica of a later wave has no process yet: nothing to wait on."""
+        replicas = [r for r in replicas if r.process is not None]
         by_conn = {r.recv_end: r for r in replicas}
         by_sentinel = {r.process.sentinel: r for r in replicas}
         ready = wait([*by_conn, *by_sentinel], timeout)

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import process_alive
 from typer.testing import CliRunner
 
@@ -251,6 +252,37 @@ def test_placement_on_gpus():
     assert [p.devices for p in cpu] == [None] * 3 and all(dict(p.env)["OMP_NUM_THREADS"] for p in cpu)
 
 
+def test_visible_gpus_reads_the_variable_as_torch_does(monkeypatch):
+    """NVML's count answers for distinct ordinals below it; what torch reads otherwise (-1 hides every GPU, a
+    repeat or an ordinal past the count ends the list, no NVML) goes to torch, which sees no GPU here."""
+    import nanovllm_cli.placement as placement
+
+    monkeypatch.setattr(placement, "gpu_count", lambda: 4)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert placement.visible_gpus() == ["0", "1", "2", "3"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3, 1")
+    assert placement.visible_gpus() == ["3", "1"]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    for listed in ("-1", "0,0", "5", "GPU-6f1a", ""):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", listed)
+        assert placement.visible_gpus() == [], listed
+    monkeypatch.setattr(placement, "gpu_count", lambda: None)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,0,2")
+    assert placement.visible_gpus() == ["1", "0"]
+
+
+def test_a_later_waves_replica_is_not_waited_on_before_it_starts():
+    """Replicas sharing a GPU start wave by wave: until its wave starts, a replica has no process, and the pool
+    does not wait on it (it used to read the missing process's sentinel)."""
+    from nanovllm_cli.placement import Placement
+
+    pool = idle_pool(2, 4)
+    for replica in pool.replicas:  # neither started yet: the first wave's pipes are not needed to show it
+        replica.placement, replica.state, replica.send_end = Placement(("0",), 0.45, 1), "starting", None
+    assert pool._receive(pool._live(), 0) == []
+
+
 def test_data_parallel_usage_errors_exit_2(tmp_path):
     path = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt_token_ids": [1, 2]}])
     result = invoke("run", path, *SHAPE, "--data-parallel-size", 0)
@@ -303,8 +335,9 @@ except KeyboardInterrupt:
 def test_the_parent_starts_its_replicas_before_it_imports_the_engine():
     """On a GPU host the parent places and starts the replicas' processes with neither torch nor the engine
     imported (their own imports and loads then overlap the parent's): GPUs counted through the driver."""
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
     result = subprocess.run([sys.executable, "-c", START_WITHOUT_THE_ENGINE], capture_output=True, text=True,
-                            timeout=120)
+                            timeout=120, env=env)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[(0, ('0',), False, False)]", result.stdout
 
