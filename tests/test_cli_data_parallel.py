@@ -283,6 +283,32 @@ def test_a_later_waves_replica_is_not_waited_on_before_it_starts():
     assert pool._receive(pool._live(), 0) == []
 
 
+def test_a_replica_that_fails_to_start_stops_those_started_before_it(monkeypatch):
+    """The second start fails: the first replica's process is killed and joined and its pipes closed, and the error
+    reaches the caller."""
+    import multiprocessing as mp
+
+    import nanovllm_cli.replica_start as replica_start
+    from nanovllm_cli.replica_process import ReplicaProcess
+
+    started = []
+
+    def start(ctx, model, args, placement, index):
+        if index == 1:
+            raise OSError("too many open files")
+        process = mp.get_context("spawn").Process(target=time.sleep, args=(60,))
+        process.start()
+        parent_writes, parent_reads = mp.Pipe()
+        started.append(ReplicaProcess(process, parent_writes, parent_reads, time.monotonic()))
+        return started[-1]
+
+    monkeypatch.setattr(replica_start, "start_replica_process", start)
+    with pytest.raises(OSError, match="too many open files"):
+        replica_start.spawn_replicas("tiny-qwen3", {"device": "cpu"}, 2)
+    (first,) = started
+    assert first.process.exitcode is not None and first.send_end.closed and first.recv_end.closed
+
+
 def test_data_parallel_usage_errors_exit_2(tmp_path):
     path = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt_token_ids": [1, 2]}])
     result = invoke("run", path, *SHAPE, "--data-parallel-size", 0)
