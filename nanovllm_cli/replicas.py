@@ -5,9 +5,10 @@ engine); a `ReplicaPool` stands in for the engine. Each replica runs the same `j
 engine runs, fed through a pipe:
 
 - placement (`placement.plan_replicas`): the devices, memory share and environment each replica is born with.
-- start: every replica starts at once (replicas sharing GPUs wave by wave), while the parent loads its
-  tokenizer. The job starts as soon as one replica is ready; each other one takes rows when it is ready, so a
-  slow start idles no one.
+- start: every replica starts at once (replicas sharing GPUs wave by wave), before the parent imports the engine
+  (replica_start.py), and loads while the parent loads its tokenizer; a replica's process runs
+  replica_worker.py. The job starts as soon as one replica is ready; each other one takes rows when it is ready,
+  so a slow start idles no one.
 - dispatch: a prefix group (rows sharing their first KV block, `admission.admission_groups`) goes whole to one
   replica, so its prefix cache serves the followers; a group larger than a replica's max_num_seqs is cut into
   chunks of that size (contiguous in token order, so longer shared prefixes stay together). Each group goes to
