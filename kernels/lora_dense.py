@@ -1,8 +1,8 @@
 """The multi-LoRA update of kernels/lora.py by dense products, for pools whose adapters are small next to the
 projection: every token times every slot's A in one matrix product, each token's columns of other slots set to
 zero, then one product per slice with every slot's B (the adapters' scales folded in) at once, added into the
-output by the library's GEMM: three launches for an unpacked projection. Where the base weight is a plain
-matrix of the pool's type, core/lora/layers.py stacks every A under it, so that the first product is the base
+output by the library's GEMM: three launches for an unpacked projection (`add_lora_dense`). The engine's layers
+(core/lora/layers.py) store every A under the base weight instead, so that the first product is the base
 projection's own (its extra columns: `add_dense_expand`'s input) and the update costs two launches.
 
 It spends FLOPs on the slots a token does not use (`dense_extra_flops`: the share they add to the base

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from nanovllm.distributed import all_reduce
-from nanovllm.kernels.lora_dense import DENSE_MAX_EXTRA, add_dense_expand, add_lora_dense, dense_extra_flops, off_slot_mask
+from nanovllm.kernels.lora_dense import DENSE_MAX_EXTRA, add_dense_expand, dense_extra_flops, off_slot_mask
 from nanovllm.layers.fp8 import Fp8Activation
 from nanovllm.layers.linear import ColumnParallelLinear, LinearBase, RowParallelLinear
 from nanovllm.loaders.weights import checkpoint_target, load_whole
@@ -93,18 +93,21 @@ class LoRALinear(nn.Module):
         self.max_slice_width = max(widths)
         device = base.weight.device
         slices = len(widths)
+        plain = base.fp8 is None and base.weight.dtype == dtype  # what the dense update stacks A under
         if update is None:
-            dense = dense_extra_flops(max_loras, slices, max_lora_rank, in_features, out_features) <= DENSE_MAX_EXTRA
+            dense = plain and (dense_extra_flops(max_loras, slices, max_lora_rank, in_features, out_features)
+                               <= DENSE_MAX_EXTRA)
             update = ("dense" if dense else "triton") if device.type == "cuda" else "torch"
         assert update in UPDATES, update
+        assert update != "dense" or plain, "the dense update stacks A under a plain weight of the pool's dtype"
         self.update = update
         # Stored slot-second (the dense products read each slice's A and the whole B as one matrix); `lora_a` and
         # `lora_b` are their slot-first views, which every path indexes.
         a_shape = (slices, max_loras, max_lora_rank, in_features)
-        # On the dense path over a plain weight, every A is stored under the base weight, in one matrix: the base
-        # product then makes the update's first product too (its extra columns), in the same launch.
+        # On the dense path every A is stored under the base weight, in one matrix: the base product then makes
+        # the update's first product too (its extra columns), in the same launch.
         self.weight_and_a = self.bias_and_zeros = None
-        if update == "dense" and base.fp8 is None and base.weight.dtype == dtype:
+        if update == "dense":
             self.weight_and_a = _stack_under(base.weight, slices * max_loras * max_lora_rank)
             a_storage = self.weight_and_a[out_features:].view(a_shape)
             if base.bias is not None and not self.row_parallel:
@@ -157,9 +160,8 @@ class LoRALinear(nn.Module):
                                 self.step.off_slot)
 
     def add_update(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """y += each token's adapter update of x, in place."""
-        if self.update == "dense":
-            return add_lora_dense(y, x, self.lora_a, self.lora_b, self.slice_starts, self.step.off_slot)
+        """y += each token's adapter update of x, in place (the grouped kernels or the torch loop; the dense
+        update is part of `product_and_update`)."""
         if self.update == "triton":
             from nanovllm.kernels.lora import add_lora
 
