@@ -1,4 +1,4 @@
-"""Kernels compile for sm_90 (Hopper), even on a machine without a GPU: sampling, penalties, the KV store into
+"""Kernels compile for sm_90 (Hopper), even on a machine without a GPU: sampling, penalties, logprobs, the KV store into
 16-bit and FP8 caches, the decode and prefill attention kernels reading either (and fp32, with IEEE dots), and the
 LoRA shrink and expand at their widest tiles within the shared memory of one program.
 
@@ -24,6 +24,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import nanovllm.kernels.decode_attention as D
 import nanovllm.kernels.kv_cache as K
+import nanovllm.kernels.logprobs as LP
 import nanovllm.kernels.lora as L
 import nanovllm.kernels.penalties as P2
 import nanovllm.kernels.prefill_attention as P
@@ -53,9 +54,14 @@ penalty_args = P2._penalties_kernel.arg_names[:-1]
 signature = dict(zip(penalty_args, ["*fp32", "i32", "*i64", "*i64", "*fp32", "*fp32", "*fp32", "*i32", "i32", "*i32",
                                     "*i32", "i32"]), BLOCK="constexpr")
 build(P2._penalties_kernel, signature, {"BLOCK": 1024}, 4, ["logits", "stride"])
-stats_args = ["logits", "stride", "token_ids", "out_logprob", "out_rank", "vocab"]
-signature = dict(zip(stats_args, ["*bf16", "i32", "*i64", "*fp32", "*i64", "i32"]), BLOCK="constexpr")
-build(S._logprob_stats_kernel, signature, {"BLOCK": 4096}, 8, stats_args)
+segment_args = LP._segment_kernel.arg_names[:11]
+signature = dict(zip(segment_args, ["*bf16", "i32", "*i64", "*fp32", "*fp32", "*i32", "*fp32", "*i32", "i32", "i32",
+                                    "i32"]), SEGMENT="constexpr", MAX_TOP="constexpr")
+build(LP._segment_kernel, signature, {"SEGMENT": LP.SEGMENT, "MAX_TOP": LP.MAX_TOP}, 4, segment_args)
+combine_args = LP._combine_kernel.arg_names[:15]
+signature = dict(zip(combine_args, ["*bf16", "i32", "*i64", "*fp32", "*fp32", "*i32", "*fp32", "*i32", "*fp32", "*i64",
+                                    "*i64", "*fp32", "i32", "i32", "i32"]), SEGMENTS="constexpr", MAX_TOP="constexpr")
+build(LP._combine_kernel, signature, {"SEGMENTS": 64, "MAX_TOP": LP.MAX_TOP}, 4, combine_args)
 store_args = K._store_kvcache_kernel.arg_names[:17]
 for cache, fp8_max in (("*bf16", 0.0), ("*fp8e4nv", 448.0), ("*fp8e5", 57344.0)):
     signature = dict(zip(store_args, ["*bf16", "*bf16", cache, cache, "*i64", "fp32", "fp32"] + ["i32"] * 10))

@@ -53,19 +53,35 @@ def test_prompt_logprobs_in_chunks_equal_one_pass():
     assert torch.equal(chunked.top_ids, top.indices)
 
 
-def test_logprob_stats_kernel_equals_torch():
+def stable_top(logits, num_top):
+    """The num_top largest logprobs, ties by the smaller id (a stable descending sort)."""
+    order = torch.sort(-torch.log_softmax(logits.double(), dim=-1), dim=-1, stable=True)
+    return order.indices[:, :num_top], -order.values[:, :num_top]
+
+
+@pytest.mark.parametrize("num_top", [0, 1, 5, 20, 32])
+def test_logprob_kernels_equal_torch(num_top):
+    """The two-kernel path (segments, then their combination) on rows that stress it: a segment of -inf only,
+    ties across segments, fewer finite logits than num_top, a token that is -inf."""
     pytest.importorskip("triton")
-    from nanovllm.kernels.sampling import logprob_stats
+    from nanovllm.kernels.logprobs import logprobs_and_top
 
     generator = torch.Generator().manual_seed(4)
     logits = (torch.randn(5, 1000, generator=generator) * 5).to(torch.bfloat16)
-    logits[1, :300] = float("-inf")  # a block of -inf only: the online max must not turn into NaN
+    logits[1, :300] = float("-inf")
+    logits[2] = 1.0  # every token tied but one: the top is token 7, then ids 0, 1, 2, ... across segments
+    logits[2, 7] = 2.0
+    logits[3, 10:] = float("-inf")
     token_ids = torch.randint(300, 1000, (5,), generator=generator)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    logprob, rank = logprob_stats(logits.to(device), token_ids.to(device), block=256)
+    logprob, rank, top_ids, top_logprobs = logprobs_and_top(logits.to(device), token_ids.to(device), num_top,
+                                                            segment=256)
     chosen, ranks, _ = expected(logits.float(), token_ids, 1)
     torch.testing.assert_close(logprob.cpu().double(), chosen, atol=1e-5, rtol=0)
     assert torch.equal(rank.cpu(), ranks)
+    want_ids, want_values = stable_top(logits.float(), num_top)
+    assert torch.equal(top_ids.cpu(), want_ids)
+    torch.testing.assert_close(top_logprobs.cpu().double(), want_values, atol=1e-5, rtol=0)
 
 
 @pytest.mark.gpu

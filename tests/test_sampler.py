@@ -203,12 +203,12 @@ def compiled_variants(kernel) -> int:
 def test_gpu_warm_up_leaves_nothing_to_compile_for_a_step():
     """After warm_up_sampling, what a step's sampling runs (other batch sizes, both logits dtypes, penalties,
     logprobs) compiles nothing more."""
-    from nanovllm.kernels import penalties, sampling
+    from nanovllm.kernels import logprobs, penalties, sampling
 
     device, vocab = torch.device("cuda"), 151936
     warm_up_sampling(device, vocab, torch.bfloat16)
     kernels = [sampling._sample_kernel, sampling._sample_wide_kernel,
-               sampling._logprob_stats_kernel, penalties._penalties_kernel]
+               logprobs._segment_kernel, logprobs._combine_kernel, penalties._penalties_kernel]
     before = [compiled_variants(kernel) for kernel in kernels]
     assert all(before), before
     rows = 37
