@@ -1,4 +1,5 @@
-"""Kernels compile for sm_90 (Hopper), even on a machine without a GPU: sampling, penalties, logprobs, the KV store into
+"""Kernels compile for sm_90 (Hopper), even on a machine without a GPU: sampling, logprobs, penalties and the
+other logit controls, the KV store into
 16-bit and FP8 caches, the decode and prefill attention kernels reading either (and fp32, with IEEE dots), and the
 LoRA shrink and expand at their widest tiles within the shared memory of one program.
 
@@ -25,6 +26,7 @@ from triton.compiler import ASTSource
 import nanovllm.kernels.decode_attention as D
 import nanovllm.kernels.kv_cache as K
 import nanovllm.kernels.logprobs as LP
+import nanovllm.kernels.logit_controls as C
 import nanovllm.kernels.lora as L
 import nanovllm.kernels.penalties as P2
 import nanovllm.kernels.prefill_attention as P
@@ -62,6 +64,11 @@ combine_args = LP._combine_kernel.arg_names[:15]
 signature = dict(zip(combine_args, ["*bf16", "i32", "*i64", "*fp32", "*fp32", "*i32", "*fp32", "*i32", "*fp32", "*i64",
                                     "*i64", "*fp32", "i32", "i32", "i32"]), SEGMENTS="constexpr", MAX_TOP="constexpr")
 build(LP._combine_kernel, signature, {"SEGMENTS": 64, "MAX_TOP": LP.MAX_TOP}, 4, combine_args)
+for kernel, types, constexprs in (
+        (C._record_kernel, ["*i64"] * 3 + ["*i32", "i32", "*i1", "i32", "*i32", "i32", "*i32", "*i64", "i32", "*i64"],
+         {"WINDOW_BLOCK": 8}),):
+    signature = dict(zip(kernel.arg_names, types), **dict.fromkeys(constexprs, "constexpr"))
+    build(kernel, signature, constexprs, 4, [])
 store_args = K._store_kvcache_kernel.arg_names[:17]
 for cache, fp8_max in (("*bf16", 0.0), ("*fp8e4nv", 448.0), ("*fp8e5", 57344.0)):
     signature = dict(zip(store_args, ["*bf16", "*bf16", cache, cache, "*i64", "fp32", "fp32"] + ["i32"] * 10))

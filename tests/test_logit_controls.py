@@ -11,6 +11,7 @@ from transformers.generation.logits_process import (
     SequenceBiasLogitsProcessor,
 )
 
+from nanovllm.layers import logit_controls
 from nanovllm.layers.logit_controls import (
     TokenHistory,
     apply_allowed_tokens,
@@ -25,6 +26,20 @@ from nanovllm.layers.logit_controls import (
 VOCAB = 64
 PROMPTS = [[3, 4, 5, 3], [10, 11], [7, 7, 8]]
 OUTPUTS = [[4, 9, 9, 20], [], [1, 2, 7, 2, 2]]
+KERNEL_PATHS = pytest.mark.parametrize("on_kernels", [False, True], ids=["torch", "kernel"])
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    """`kernels(on)`: the ops take their CUDA paths (on) or their torch paths; the kernels run on the tests' CPU
+    tensors in Triton's interpreter."""
+    def use(on: bool) -> None:
+        if on:
+            pytest.importorskip("triton")
+            if os.environ.get("TRITON_INTERPRET") != "1":
+                pytest.skip("the kernels run on CPU tensors in Triton's interpreter")
+        monkeypatch.setattr(logit_controls, "_use_kernel", lambda tensor: on)
+    return use
 
 
 def random_logits(rows=3, seed=0):
@@ -39,7 +54,8 @@ def filled_history(window=4):
         history.reset(slot, prompt)
     for step in range(max(map(len, OUTPUTS))):
         live = [i for i, out in enumerate(OUTPUTS) if step < len(out)]
-        history.record(torch.tensor([slots[i] for i in live]), torch.tensor([OUTPUTS[i][step] for i in live]))
+        history.record(torch.tensor([slots[i] for i in live]), torch.tensor([OUTPUTS[i][step] for i in live]),
+                       torch.arange(len(live)))
     return history, torch.tensor(slots)
 
 
@@ -156,7 +172,9 @@ def seen_lists(history, slots):
     return [sorted(history.seen_tokens[slot, :history.num_seen[slot]].tolist()) for slot in slots.tolist()]
 
 
-def test_history_reset_with_output_equals_recording_it():
+@KERNEL_PATHS
+def test_history_reset_with_output_equals_recording_it(kernels, on_kernels):
+    kernels(on_kernels)
     history, slots = filled_history()
     resumed = TokenHistory.allocate(num_slots=6, vocab_size=VOCAB, window=4, device=torch.device("cpu"))
     for slot, prompt, output in zip(slots.tolist(), PROMPTS, OUTPUTS):
@@ -192,8 +210,9 @@ def test_penalties_on_the_seen_tokens_equal_the_formula_over_the_vocabulary(path
         prompt = torch.randint(0, vocab, (int(torch.randint(0, 60, (1,), generator=generator)),), generator=generator)
         history.reset(slot, prompt.tolist() + [17])
         for _ in range(int(torch.randint(0, 40, (1,), generator=generator))):
-            history.record(torch.tensor([slot]), torch.randint(0, vocab, (1,), generator=generator))
-    history.record(torch.arange(5), torch.full((5,), 17))
+            history.record(torch.tensor([slot]), torch.randint(0, vocab, (1,), generator=generator),
+                           torch.tensor([0]))
+    history.record(torch.arange(5), torch.full((5,), 17), torch.arange(5))
     rows, slots = torch.tensor([4, 0, 2, 3]), torch.tensor([1, 3, 0, 4])
     repetition, presence = torch.tensor([1.3, 0.7, 2.0, 1.0]), torch.tensor([0.5, -0.3, 1.5, 0.0])
     frequency = torch.tensor([0.25, 0.4, -0.5, 0.7])
@@ -218,3 +237,34 @@ def test_penalties_on_the_seen_tokens_equal_the_formula_over_the_vocabulary(path
 def test_batch_index_of_inverts_the_row_list():
     inverse = batch_index_of(torch.tensor([4, 0, 2]), 6)
     assert inverse.tolist() == [1, -1, 2, -1, 0, -1]
+
+
+def history_tables(history):
+    return {name: getattr(history, name).clone() for name in (
+        "output_counts", "prompt_mask", "seen_tokens", "num_seen", "recent", "output_lens")}
+
+
+def test_the_record_kernel_leaves_the_torch_paths_history(kernels):
+    """Steps recording into a few slots (rows in another order than their slots, a slot skipping a step): a token
+    of the prompt, output tokens repeated, more steps than the window holds. Every table equals the torch path's
+    after every step, bit for bit (past the seen lists' ends too)."""
+    vocab, window = 64, 3
+    histories = {}
+    for on_kernels in (False, True):
+        history = TokenHistory.allocate(num_slots=4, vocab_size=vocab, window=window, device=torch.device("cpu"))
+        history.reset(1, [5, 6, 5], [7])
+        history.reset(3, [40])
+        histories[on_kernels] = history
+    steps = [([1, 3], [5, 41]), ([3, 1], [41, 7]), ([1, 3, 0], [9, 40, 9]), ([0, 1], [9, 9]), ([1, 3], [5, 63]),
+             ([3], [63]), ([1, 3, 0], [12, 2, 9])]
+    for slots, tokens in steps:
+        sampled = torch.tensor(tokens[::-1] + [0])  # the batch lists the rows in reverse, then a row without a slot
+        rows = torch.arange(len(slots) - 1, -1, -1)
+        for on_kernels, history in histories.items():
+            kernels(on_kernels)
+            history.record(torch.tensor(slots), sampled, rows)
+        ours, reference = history_tables(histories[True]), history_tables(histories[False])
+        for name in ours:
+            assert torch.equal(ours[name], reference[name]), (slots, name)
+    assert seen_lists(histories[True], torch.tensor([0, 1, 3])) == [[9], [5, 6, 7, 9, 12], [2, 40, 41, 63]]
+    assert histories[True].recent[1].tolist() == [9, 5, 12] and histories[True].output_lens.tolist() == [3, 7, 0, 6]

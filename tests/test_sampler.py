@@ -201,14 +201,16 @@ def compiled_variants(kernel) -> int:
 
 @pytest.mark.gpu
 def test_gpu_warm_up_leaves_nothing_to_compile_for_a_step():
-    """After warm_up_sampling, what a step's sampling runs (other batch sizes, both logits dtypes, penalties,
-    logprobs) compiles nothing more."""
+    """After warm_up_sampling, what a step's sampling runs (other batch sizes, both logits dtypes, penalties, the
+    history update, logprobs) compiles nothing more."""
+    from nanovllm.kernels import logit_controls as control_kernels
     from nanovllm.kernels import logprobs, penalties, sampling
 
     device, vocab = torch.device("cuda"), 151936
     warm_up_sampling(device, vocab, torch.bfloat16)
     kernels = [sampling._sample_kernel, sampling._sample_wide_kernel,
-               logprobs._segment_kernel, logprobs._combine_kernel, penalties._penalties_kernel]
+               logprobs._segment_kernel, logprobs._combine_kernel, penalties._penalties_kernel,
+               control_kernels._record_kernel]
     before = [compiled_variants(kernel) for kernel in kernels]
     assert all(before), before
     rows = 37
@@ -219,11 +221,12 @@ def test_gpu_warm_up_leaves_nothing_to_compile_for_a_step():
         all_greedy=False, any_filter=True)
     for dtype in (torch.bfloat16, torch.float32):
         sample(torch.randn(rows, vocab, device=device).to(dtype), settings)
-    history = logit_controls.TokenHistory.allocate(8, vocab, 8, device)
+    history = logit_controls.TokenHistory.allocate(8, vocab, logit_controls.HISTORY_WINDOW, device)
     history.reset(3, list(range(100)), [5, 6])
     logits = torch.randn(6, vocab, device=device)
     logit_controls.apply_penalties(logits, torch.tensor([2], device=device), torch.tensor([3], device=device),
                                       history, *(torch.ones(1, device=device),) * 3)
+    history.record(torch.tensor([3, 4], device=device), logits.argmax(dim=-1), torch.tensor([2, 0], device=device))
     raw = torch.randn(3, vocab, device=device, dtype=torch.bfloat16)
     from nanovllm.layers.logprobs import compute_logprobs
     compute_logprobs(raw, raw.argmax(dim=-1), 2)

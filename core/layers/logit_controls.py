@@ -13,7 +13,8 @@ Per-row state lives on the device and is addressed by *entries* rather than per-
   distinct seen tokens (prompt and output) int32 [slots, vocab + 1] with its length, the last `window` output
   tokens and the output length. Penalties touch only the listed tokens (`kernels/penalties.py` on CUDA): a step
   costs what the histories hold, not the vocabulary. At vocab 151,936 a slot costs 1.4 MB, so a pool of 64 slots
-  is 87 MB; rows without such controls hold no slot. `record` updates with a scatter-add and an append per step.
+  is 87 MB; rows without such controls hold no slot. `record` appends a step's samples (one kernel on CUDA:
+  `kernels/logit_controls.py`).
 - Sparse controls (logit_bias, allowed_token_ids, min_tokens' stop ids, bad words) are flat entry lists
   (batch row, token[, value]) that the engine keeps as device tensors keyed by its persistent row ids and maps to
   this step's batch rows on the device (`batch_index_of`), rebuilding them only when requests join or leave.
@@ -39,8 +40,8 @@ def upload(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.as_tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
-def _use_kernel(logits: torch.Tensor) -> bool:
-    return logits.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+def _use_kernel(tensor: torch.Tensor) -> bool:
+    return tensor.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
 
 
 def batch_index_of(batch_rows: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -48,6 +49,9 @@ def batch_index_of(batch_rows: torch.Tensor, num_rows: int) -> torch.Tensor:
     inverse = torch.full((num_rows,), -1, dtype=torch.int64, device=batch_rows.device)
     inverse[batch_rows] = torch.arange(len(batch_rows), device=batch_rows.device)
     return inverse
+
+
+HISTORY_WINDOW = 8  # the output tokens a slot keeps in `recent`: bad words of up to 9 tokens
 
 
 @dataclass
@@ -100,9 +104,16 @@ class TokenHistory:
         self.recent[slot] = tail
         self.output_lens[slot] = len(output)
 
-    def record(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
-        """Append one sampled token per slot (distinct slots): a few scatters, no host sync. A token new to the
-        slot joins its seen list (every token is written past the list's end; only a new one extends it)."""
+    def record(self, slots: torch.Tensor, sampled: torch.Tensor, rows: torch.Tensor) -> None:
+        """Append one sampled token per slot (distinct slots), sampled[rows[i]] to slots[i], on the device (one
+        kernel on CUDA). A token new to the slot joins its seen list (every token is written past the list's end;
+        only a new one extends it)."""
+        if _use_kernel(sampled):
+            from nanovllm.kernels.logit_controls import record_history
+            record_history(sampled, rows, slots, self.output_counts, self.prompt_mask, self.seen_tokens,
+                           self.num_seen, self.recent, self.output_lens)
+            return
+        token_ids = sampled.index_select(0, rows)
         new = (self.output_counts[slots, token_ids] == 0) & ~self.prompt_mask[slots, token_ids]
         self.seen_tokens[slots, self.num_seen[slots].long()] = token_ids.to(torch.int32)
         self.num_seen[slots] += new.to(torch.int32)

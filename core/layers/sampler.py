@@ -108,7 +108,7 @@ def warm_up_sampling(device: torch.device, vocab_size: int, dtype: torch.dtype) 
     what each call produced, for a caller or a test to check: the tokens per logits dtype, the penalised logits,
     the logprobs and the masked logits."""
     from nanovllm.kernels.token_bitmask import apply_token_bitmask, bitmask_width
-    from nanovllm.layers.logit_controls import TokenHistory, apply_penalties
+    from nanovllm.layers.logit_controls import HISTORY_WINDOW, TokenHistory, apply_penalties
     from nanovllm.layers.logprobs import compute_logprobs
 
     settings = warm_up_rows(device, vocab_size)
@@ -117,9 +117,10 @@ def warm_up_sampling(device: torch.device, vocab_size: int, dtype: torch.dtype) 
         results[f"tokens_{str(logits_dtype).removeprefix('torch.')}"] = sample(
             warm_up_logits(device, vocab_size, logits_dtype), settings)
     logits = warm_up_logits(device, vocab_size, torch.float32)
-    history = TokenHistory.allocate(2, vocab_size, 1, device)
+    history = TokenHistory.allocate(2, vocab_size, HISTORY_WINDOW, device)  # the window the runner's step has
     history.reset(0, [1, 2, 3], [2])
-    history.record(torch.tensor([0, 1], device=device), torch.tensor([3, 4], device=device))
+    history.record(torch.tensor([0, 1], device=device), torch.tensor([4, 3], device=device),
+                   torch.tensor([1, 0], device=device))
     apply_penalties(logits, torch.tensor([1, 0], device=device), torch.tensor([0, 1], device=device), history,
                     torch.full((2,), 1.3, device=device), torch.full((2,), 0.5, device=device),
                     torch.full((2,), 0.2, device=device))

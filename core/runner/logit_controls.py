@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from nanovllm.layers.logit_controls import (
+    HISTORY_WINDOW,
     TokenHistory,
     apply_allowed_tokens,
     apply_bad_words,
@@ -32,8 +33,6 @@ from nanovllm.layers.logit_controls import (
     upload,
 )
 from nanovllm.sampling_params import SamplingParams
-
-HISTORY_WINDOW = 8  # output tokens a bad word's prefix is matched against: words of up to 9 tokens
 
 
 @dataclass
@@ -229,5 +228,6 @@ class LogitControls:
         return work[:n]
 
     def record(self, sampled: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
-        """Advance the staged rows' histories by this step's samples, on the device."""
-        self.history.record(slots, sampled.index_select(0, rows))
+        """Advance the staged rows' histories by this step's samples (`sampled` [batch]; `rows`: the staged rows'
+        batch indices), on the device."""
+        self.history.record(slots, sampled, rows)
