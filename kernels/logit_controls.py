@@ -6,12 +6,20 @@ indices, a cat), whose launches cost a step more host time than their device wor
 
 - `record_history`: after sampling, each staged row's token joins its slot's history (one program per row; the
   slots of one call are distinct, so no two programs touch the same state).
+- `batch_index_map`: the persistent row -> batch index map of a step (-1 for rows not in it), one program.
+- The sparse controls are entry lists keyed by persistent row, mapped to the step's rows through that map inside
+  the kernel; an entry of a row not in the step does nothing. Bans store -inf and store nothing else, so entries
+  repeating a (row, token) with different verdicts ban it in any order. logit_bias adds atomically: its tokens
+  are unique per row (dict keys), so each logit takes one addition, the torch path's.
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+ENTRY_BLOCK = 256  # entries per program
+WORD_BLOCK = 128  # bad-word entries per program, each with its [window] prefix
 
 
 @triton.jit
@@ -48,3 +56,128 @@ def record_history(sampled: torch.Tensor, rows: torch.Tensor, slots: torch.Tenso
                                       prompt_mask.stride(0), seen_tokens, seen_tokens.stride(0), num_seen, recent,
                                       window, output_lens, WINDOW_BLOCK=triton.next_power_of_2(window),
                                       num_warps=1)
+
+
+@triton.jit(do_not_specialize=["num_batch_rows", "num_rows"])
+def _batch_index_kernel(batch_rows, num_batch_rows, inverse, num_rows, BLOCK: tl.constexpr):
+    lanes = tl.arange(0, BLOCK)
+    for start in range(0, num_rows, BLOCK):
+        tl.store(inverse + start + lanes, -1, mask=start + lanes < num_rows)
+    tl.debug_barrier()  # the -1s land before any thread writes a batch index over them
+    for start in range(0, num_batch_rows, BLOCK):
+        at = start + lanes
+        valid = at < num_batch_rows
+        tl.store(inverse + tl.load(batch_rows + at, mask=valid, other=0), at.to(tl.int64), mask=valid)
+
+
+def batch_index_map(batch_rows: torch.Tensor, num_rows: int, block: int = 1024) -> torch.Tensor:
+    """int64 [num_rows]: for each persistent row its index in `batch_rows` (distinct rows), or -1."""
+    inverse = torch.empty(num_rows, dtype=torch.int64, device=batch_rows.device)
+    _batch_index_kernel[(1,)](batch_rows, len(batch_rows), inverse, num_rows, BLOCK=block, num_warps=4)
+    return inverse
+
+
+@triton.jit
+def _entry_rows(batch_index, rows, at, valid):
+    """Batch row of each entry (its persistent row mapped through batch_index), and whether it acts: a valid
+    entry of a row in the step."""
+    row = tl.load(batch_index + tl.load(rows + at, mask=valid, other=0), mask=valid, other=-1)
+    return row, valid & (row >= 0)
+
+
+@triton.jit
+def _allowed_kernel(logits, stride, vocab, batch_index, rows, offsets, tokens, kept, BLOCK: tl.constexpr):
+    group = tl.program_id(0)
+    row = tl.load(batch_index + tl.load(rows + group))
+    if row >= 0:
+        base = logits + row * stride
+        first = tl.load(offsets + group)
+        end = tl.load(offsets + group + 1)
+        for start in range(first, end, BLOCK):
+            at = start + tl.arange(0, BLOCK)
+            valid = at < end
+            token = tl.load(tokens + at, mask=valid, other=0)
+            tl.store(kept + at, tl.load(base + token, mask=valid), mask=valid)
+        tl.debug_barrier()  # every allowed logit is read before the row is filled
+        for start in range(0, vocab, BLOCK):
+            lanes = start + tl.arange(0, BLOCK)
+            tl.store(base + lanes, float("-inf"), mask=lanes < vocab)
+        tl.debug_barrier()  # and the row is filled before they are written back
+        for start in range(first, end, BLOCK):
+            at = start + tl.arange(0, BLOCK)
+            valid = at < end
+            token = tl.load(tokens + at, mask=valid, other=0)
+            tl.store(base + token, tl.load(kept + at, mask=valid), mask=valid)
+
+
+def mask_to_allowed(logits: torch.Tensor, batch_index: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor,
+                    tokens: torch.Tensor, block: int = 1024) -> None:
+    """Persistent rows [r] (distinct), each with its allowed tokens tokens[offsets[i]:offsets[i + 1]] (a non-empty
+    range): every other logit of the row becomes -inf. One program per row: it reads the allowed logits, fills
+    the row and writes them back, in that order."""
+    if len(rows):
+        kept = torch.empty(len(tokens), dtype=torch.float32, device=logits.device)
+        _allowed_kernel[(len(rows),)](logits, logits.stride(0), logits.shape[1], batch_index, rows, offsets,
+                                      tokens, kept, BLOCK=block, num_warps=4)
+
+
+@triton.jit(do_not_specialize=["num_entries"])
+def _bad_words_kernel(logits, stride, batch_index, rows, slots, prefixes, banned, num_entries, recent, window,
+                      BLOCK: tl.constexpr, WINDOW_BLOCK: tl.constexpr):
+    at = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    row, acts = _entry_rows(batch_index, rows, at, at < num_entries)
+    slot = tl.load(slots + at, mask=acts, other=0)
+    lanes = tl.arange(0, WINDOW_BLOCK)[None, :]
+    read = acts[:, None] & (lanes < window)
+    prefix = tl.load(prefixes + at[:, None] * window + lanes, mask=read, other=-1)  # -1: matches any token
+    tail = tl.load(recent + slot[:, None] * window + lanes, mask=read, other=-1)
+    match = tl.min(((tail == prefix) | (prefix < 0)).to(tl.int32), axis=1) == 1
+    token = tl.load(banned + at, mask=acts, other=0)
+    tl.store(logits + row * stride + token, float("-inf"), mask=acts & match)
+
+
+def ban_bad_words(logits: torch.Tensor, batch_index: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
+                  prefixes: torch.Tensor, banned: torch.Tensor, recent: torch.Tensor) -> None:
+    """Entries (persistent row, history slot, prefix int64 [window] right-aligned and -1 padded, banned token):
+    -inf where the slot's recent tokens (int64 [slots, window]) end with the prefix. Both tables contiguous."""
+    if len(rows):
+        window = recent.shape[1]
+        _bad_words_kernel[(triton.cdiv(len(rows), WORD_BLOCK),)](
+            logits, logits.stride(0), batch_index, rows, slots, prefixes, banned, len(rows), recent, window,
+            BLOCK=WORD_BLOCK, WINDOW_BLOCK=triton.next_power_of_2(window), num_warps=4)
+
+
+@triton.jit(do_not_specialize=["num_entries"])
+def _min_tokens_kernel(logits, stride, batch_index, rows, stop_ids, min_tokens, num_entries, output_lens,
+                       BLOCK: tl.constexpr):
+    at = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    row, acts = _entry_rows(batch_index, rows, at, at < num_entries)
+    short = tl.load(output_lens + row, mask=acts, other=0) < tl.load(min_tokens + at, mask=acts, other=0)
+    token = tl.load(stop_ids + at, mask=acts, other=0)
+    tl.store(logits + row * stride + token, float("-inf"), mask=acts & short)
+
+
+def ban_until_min_tokens(logits: torch.Tensor, batch_index: torch.Tensor, rows: torch.Tensor,
+                         stop_ids: torch.Tensor, min_tokens: torch.Tensor, output_lens: torch.Tensor) -> None:
+    """Entries (persistent row, stop token, min_tokens): -inf while the batch row's output_lens is below
+    min_tokens."""
+    if len(rows):
+        _min_tokens_kernel[(triton.cdiv(len(rows), ENTRY_BLOCK),)](
+            logits, logits.stride(0), batch_index, rows, stop_ids, min_tokens, len(rows), output_lens,
+            BLOCK=ENTRY_BLOCK, num_warps=4)
+
+
+@triton.jit(do_not_specialize=["num_entries"])
+def _bias_kernel(logits, stride, batch_index, rows, tokens, biases, num_entries, BLOCK: tl.constexpr):
+    at = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    row, acts = _entry_rows(batch_index, rows, at, at < num_entries)
+    token = tl.load(tokens + at, mask=acts, other=0)
+    tl.atomic_add(logits + row * stride + token, tl.load(biases + at, mask=acts, other=0.0), mask=acts)
+
+
+def add_logit_bias(logits: torch.Tensor, batch_index: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor,
+                   biases: torch.Tensor) -> None:
+    """Entries (persistent row, token, float32 bias): the bias added to the logit."""
+    if len(rows):
+        _bias_kernel[(triton.cdiv(len(rows), ENTRY_BLOCK),)](logits, logits.stride(0), batch_index, rows, tokens,
+                                                             biases, len(rows), BLOCK=ENTRY_BLOCK, num_warps=4)

@@ -66,7 +66,13 @@ signature = dict(zip(combine_args, ["*bf16", "i32", "*i64", "*fp32", "*fp32", "*
 build(LP._combine_kernel, signature, {"SEGMENTS": 64, "MAX_TOP": LP.MAX_TOP}, 4, combine_args)
 for kernel, types, constexprs in (
         (C._record_kernel, ["*i64"] * 3 + ["*i32", "i32", "*i1", "i32", "*i32", "i32", "*i32", "*i64", "i32", "*i64"],
-         {"WINDOW_BLOCK": 8}),):
+         {"WINDOW_BLOCK": 8}),
+        (C._batch_index_kernel, ["*i64", "i32", "*i64", "i32"], {"BLOCK": 1024}),
+        (C._allowed_kernel, ["*fp32", "i32", "i32"] + ["*i64"] * 4 + ["*fp32"], {"BLOCK": 1024}),
+        (C._bad_words_kernel, ["*fp32", "i32"] + ["*i64"] * 5 + ["i32", "*i64", "i32"],
+         {"BLOCK": C.WORD_BLOCK, "WINDOW_BLOCK": 8}),
+        (C._min_tokens_kernel, ["*fp32", "i32"] + ["*i64"] * 4 + ["i32", "*i64"], {"BLOCK": C.ENTRY_BLOCK}),
+        (C._bias_kernel, ["*fp32", "i32"] + ["*i64"] * 3 + ["*fp32", "i32"], {"BLOCK": C.ENTRY_BLOCK})):
     signature = dict(zip(kernel.arg_names, types), **dict.fromkeys(constexprs, "constexpr"))
     build(kernel, signature, constexprs, 4, [])
 store_args = K._store_kvcache_kernel.arg_names[:17]

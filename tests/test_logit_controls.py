@@ -2,6 +2,7 @@
 penalties, which touch only each row's seen tokens, against the formula over the whole vocabulary."""
 import os
 
+import numpy as np
 import pytest
 import torch
 from transformers.generation.logits_process import (
@@ -11,6 +12,7 @@ from transformers.generation.logits_process import (
     SequenceBiasLogitsProcessor,
 )
 
+from nanovllm import SamplingParams
 from nanovllm.layers import logit_controls
 from nanovllm.layers.logit_controls import (
     TokenHistory,
@@ -22,10 +24,12 @@ from nanovllm.layers.logit_controls import (
     batch_index_of,
     pack_bad_words,
 )
+from nanovllm.runner.logit_controls import LogitControls
 
 VOCAB = 64
 PROMPTS = [[3, 4, 5, 3], [10, 11], [7, 7, 8]]
 OUTPUTS = [[4, 9, 9, 20], [], [1, 2, 7, 2, 2]]
+IDENTITY = torch.arange(3)  # batch_index of a step whose batch rows are the persistent rows 0, 1, 2
 KERNEL_PATHS = pytest.mark.parametrize("on_kernels", [False, True], ids=["torch", "kernel"])
 
 
@@ -59,7 +63,9 @@ def filled_history(window=4):
     return history, torch.tensor(slots)
 
 
-def test_repetition_penalty_equals_hf():
+@KERNEL_PATHS
+def test_repetition_penalty_equals_hf(kernels, on_kernels):
+    kernels(on_kernels)
     history, slots = filled_history()
     penalties = [1.3, 0.7, 2.0]
     logits = random_logits()
@@ -95,14 +101,16 @@ def test_penalties_only_touch_the_rows_given():
     assert not torch.equal(ours[1], logits[1])
 
 
-def test_min_tokens_equal_hf_min_new_tokens():
+@KERNEL_PATHS
+def test_min_tokens_equal_hf_min_new_tokens(kernels, on_kernels):
+    kernels(on_kernels)
     eos = [2, 5]
     min_tokens = [3, 1, 4]
     output_lens = torch.tensor([len(out) for out in OUTPUTS])
     logits = random_logits(seed=3)
     ours = logits.clone()
     rows = torch.tensor([row for row in range(3) for _ in eos])
-    apply_min_tokens(ours, rows, torch.tensor(eos * 3), torch.tensor(min_tokens).repeat_interleave(len(eos)),
+    apply_min_tokens(ours, IDENTITY, rows, torch.tensor(eos * 3), torch.tensor(min_tokens).repeat_interleave(len(eos)),
                      output_lens)
     for row in range(3):
         ids = torch.tensor([PROMPTS[row] + OUTPUTS[row]])
@@ -110,8 +118,10 @@ def test_min_tokens_equal_hf_min_new_tokens():
         torch.testing.assert_close(ours[row:row + 1], processor(ids, logits[row:row + 1].clone()), rtol=0, atol=0)
 
 
-def test_bad_words_equal_hf_over_the_output():
+@KERNEL_PATHS
+def test_bad_words_equal_hf_over_the_output(kernels, on_kernels):
     """vLLM matches bad words against the output only: HF's processor is given the output as its input ids."""
+    kernels(on_kernels)
     window = 4
     history, slots = filled_history(window)
     bad_words = [[[9, 20, 33], [9, 9, 20, 6], [40]], [[1, 2]], [[2, 7, 2, 2, 50], [2, 8], [2, 13], [62]]]
@@ -119,7 +129,7 @@ def test_bad_words_equal_hf_over_the_output():
     ours = logits.clone()
     packed = [pack_bad_words(words, window) for words in bad_words]
     rows = torch.cat([torch.full((len(words),), row) for row, words in enumerate(bad_words)])
-    apply_bad_words(ours, rows, slots[rows], torch.cat([p[0] for p in packed]), torch.cat([p[1] for p in packed]),
+    apply_bad_words(ours, IDENTITY, rows, slots[rows], torch.cat([p[0] for p in packed]), torch.cat([p[1] for p in packed]),
                     history)
     for row, words in enumerate(bad_words):
         processor = NoBadWordsLogitsProcessor(words, eos_token_id=None)
@@ -135,13 +145,15 @@ def test_bad_words_longer_than_the_window_are_rejected_by_name():
         pack_bad_words([[]], window=4)
 
 
-def test_logit_bias_equals_hf_sequence_bias():
+@KERNEL_PATHS
+def test_logit_bias_equals_hf_sequence_bias(kernels, on_kernels):
+    kernels(on_kernels)
     biases = [{4: 2.5, 9: -100.0}, {}, {0: 1.0, 63: -3.0, 7: 0.5}]
     logits = random_logits(seed=5)
     ours = logits.clone()
     entries = [(row, token, value) for row, bias in enumerate(biases) for token, value in bias.items()]
     rows, tokens, values = (torch.tensor(column) for column in zip(*entries))
-    apply_logit_bias(ours, rows, tokens, values)
+    apply_logit_bias(ours, IDENTITY, rows, tokens, values)
     for row, bias in enumerate(biases):
         if not bias:
             assert torch.equal(ours[row], logits[row])
@@ -151,12 +163,15 @@ def test_logit_bias_equals_hf_sequence_bias():
         torch.testing.assert_close(ours[row:row + 1], hf, rtol=0, atol=0)
 
 
-def test_allowed_token_ids_mask_everything_else():
+@KERNEL_PATHS
+def test_allowed_token_ids_mask_everything_else(kernels, on_kernels):
+    kernels(on_kernels)
     logits = random_logits(seed=6)
     ours = logits.clone()
     allowed = {0: [5, 6, 60], 2: [1]}
-    rows = torch.tensor([row for row, ids in allowed.items() for _ in ids])
-    apply_allowed_tokens(ours, rows, torch.tensor([t for ids in allowed.values() for t in ids]))
+    offsets = torch.tensor([0] + [len(ids) for ids in allowed.values()]).cumsum(0)
+    apply_allowed_tokens(ours, IDENTITY, torch.tensor(list(allowed)), offsets,
+                         torch.tensor([t for ids in allowed.values() for t in ids]))
     for row in range(3):
         for token in range(VOCAB):
             want = logits[row, token] if row not in allowed or token in allowed[row] else float("-inf")
@@ -165,7 +180,7 @@ def test_allowed_token_ids_mask_everything_else():
 
 def test_controls_reject_half_precision_logits():
     with pytest.raises(TypeError, match="float32"):
-        apply_logit_bias(random_logits().half(), torch.tensor([0]), torch.tensor([1]), torch.tensor([1.0]))
+        apply_logit_bias(random_logits().half(), IDENTITY, torch.tensor([0]), torch.tensor([1]), torch.tensor([1.0]))
 
 
 def seen_lists(history, slots):
@@ -234,9 +249,11 @@ def test_penalties_on_the_seen_tokens_equal_the_formula_over_the_vocabulary(path
     assert torch.equal(ours[1], logits[1])
 
 
-def test_batch_index_of_inverts_the_row_list():
-    inverse = batch_index_of(torch.tensor([4, 0, 2]), 6)
-    assert inverse.tolist() == [1, -1, 2, -1, 0, -1]
+@KERNEL_PATHS
+def test_batch_index_of_inverts_the_row_list(kernels, on_kernels):
+    kernels(on_kernels)
+    assert batch_index_of(torch.tensor([4, 0, 2]), 6).tolist() == [1, -1, 2, -1, 0, -1]
+    assert batch_index_of(torch.tensor([4, 0, 7, 2]), 9).tolist() == [1, -1, 3, -1, 0, -1, -1, 2, -1]
 
 
 def history_tables(history):
@@ -268,3 +285,97 @@ def test_the_record_kernel_leaves_the_torch_paths_history(kernels):
             assert torch.equal(ours[name], reference[name]), (slots, name)
     assert seen_lists(histories[True], torch.tensor([0, 1, 3])) == [[9], [5, 6, 7, 9, 12], [2, 40, 41, 63]]
     assert histories[True].recent[1].tolist() == [9, 5, 12] and histories[True].output_lens.tolist() == [3, 7, 0, 6]
+
+
+def sparse_controls_step(vocab=300, window=4):
+    """A step whose batch holds persistent rows 5, 2, 6, 0 (of 7), with entries of every sparse control, some of
+    them on rows 1, 3 and 4, which are not in it; bad words repeat a (row, token) with different verdicts."""
+    generator = torch.Generator().manual_seed(11)
+    history = TokenHistory.allocate(num_slots=3, vocab_size=vocab, window=window, device=torch.device("cpu"))
+    for slot, output in enumerate([[8, 9, 10], [1, 2], [3]]):
+        history.reset(slot, [100 + slot], output)
+    logits = torch.randn(4, vocab, generator=generator) * 3
+    logits[:, ::17] = float("-inf")
+    batch_rows = torch.tensor([5, 2, 6, 0])
+    words = [[9, 10, 50], [7, 10, 50], [50], [2, 60], [1, 60], [3, 61], [62]]
+    prefixes, banned = pack_bad_words(words, window)
+    controls = dict(
+        allowed=(torch.tensor([3, 2, 0]), torch.tensor([0, 2, 5, 6]), torch.tensor([4, 5, 7, 8, 200, 9])),
+        bad_words=(torch.tensor([5, 5, 2, 6, 6, 1, 4]), torch.tensor([0, 0, 1, 1, 1, 2, 2]), prefixes, banned),
+        min_tokens=(torch.tensor([5, 5, 2, 3, 0]), torch.tensor([20, 21, 20, 20, 22]), torch.tensor([3, 3, 1, 9, 9])),
+        bias=(torch.tensor([5, 5, 6, 1, 0]), torch.tensor([30, 31, 30, 30, 7]),
+              torch.tensor([2.5, -100.0, 0.75, 1.0, -3.0])))
+    return logits, batch_rows, controls, history
+
+
+def apply_sparse_controls(logits, batch_rows, controls, history, output_lens):
+    index = batch_index_of(batch_rows, 7)
+    apply_allowed_tokens(logits, index, *controls["allowed"])
+    apply_bad_words(logits, index, *controls["bad_words"], history)
+    apply_min_tokens(logits, index, *controls["min_tokens"], output_lens)
+    apply_logit_bias(logits, index, *controls["bias"])
+
+
+def test_sparse_control_kernels_equal_the_torch_paths(kernels):
+    """allowed tokens, bad words (a banned token of a row listed by a word that matches and one that does not),
+    min_tokens and logit_bias, each with entries of rows outside the step, through their kernels: the torch
+    path's logits bit for bit, and the expected ones."""
+    logits, batch_rows, controls, history = sparse_controls_step()
+    output_lens = torch.tensor([2, 0, 5, 3])
+    results = {}
+    for on_kernels in (False, True):
+        kernels(on_kernels)
+        results[on_kernels] = logits.clone()
+        apply_sparse_controls(results[on_kernels], batch_rows, controls, history, output_lens)
+    torch.testing.assert_close(results[True], results[False], rtol=0, atol=0)
+    ours = results[True]
+    finite = [torch.isfinite(row).nonzero().flatten().tolist() for row in ours]
+    assert finite[3] == [9] and ours[3, 9] == logits[3, 9]  # row 0 allows 9 alone
+    assert finite[1] == [7, 8, 200] and torch.equal(ours[1, finite[1]], logits[1, finite[1]])
+    changed = [(row != raw).nonzero().flatten().tolist() for row, raw in zip(ours, logits)]
+    assert changed[0] == [20, 21, 30, 31, 50] and torch.isneginf(ours[0, [20, 21, 50]]).all()  # 2 < min_tokens 3
+    assert ours[0, 30] == logits[0, 30] + 2.5 and ours[0, 31] == logits[0, 31] - 100.0
+    assert changed[2] == [30, 60] and ours[2, 60] == float("-inf") and ours[2, 30] == logits[2, 30] + 0.75
+
+
+def controlled_steps(vocab=96):
+    """The runner's controls over a few steps as the runner drives them (stage, apply, a greedy draw, record): rows
+    with every control, steps that leave rows out or list them in another order, a row joining midway (the slot
+    pool grows) and one leaving. Returns each step's scores and the final history tables."""
+    controls = LogitControls(6, vocab, torch.device("cpu"), eos_token_ids=[2], initial_slots=2)
+    controls.fill(0, SamplingParams(repetition_penalty=1.3, logit_bias={5: 3.0, 7: -2.0}), [1, 2, 3, 4], 3, [])
+    controls.fill(2, SamplingParams(presence_penalty=0.5, frequency_penalty=0.4, min_tokens=3, stop_token_ids=[9]),
+                  [10, 11, 12], 2, [[12, 13], [50]])
+    controls.fill(3, SamplingParams(allowed_token_ids=[4, 5, 6, 40], logit_bias={40: 1.5}), [1], 1, [])
+    generator = torch.Generator().manual_seed(3)
+    scores = []
+    for step, batch in enumerate([[0, 2, 3, 5], [5, 3, 0], [2, 5], [4, 0, 2, 3, 5], [3, 4, 2], [4, 2, 0]]):
+        if step == 2:
+            controls.fill(4, SamplingParams(repetition_penalty=0.8, min_tokens=2), [7, 8, 9], 3, [[20], [9, 21]])
+        if step == 4:
+            controls.clear(0)
+        host = {name: np.zeros(len(batch), dtype=dtype) for name, dtype in (
+            ("penalty_rows", np.int64), ("penalty_slots", np.int64), ("repetition_penalties", np.float32),
+            ("presence_penalties", np.float32), ("frequency_penalties", np.float32))}
+        count = controls.stage(host, np.array(batch), [True] * len(batch))
+        penalty = tuple(torch.from_numpy(host[name][:count]) for name in host) if count else None
+        logits = (torch.randn(len(batch), vocab, generator=generator) * 3).to(torch.bfloat16)
+        step_scores = controls.apply(logits, torch.tensor(batch), torch.full((len(batch),), step), penalty)
+        sampled = step_scores.argmax(dim=-1)
+        if penalty is not None:
+            controls.record(sampled, penalty[0], penalty[1])
+        scores.append(step_scores)
+    return scores, history_tables(controls.history)
+
+
+def test_the_runners_controls_step_through_the_kernels_as_through_torch(kernels):
+    """`LogitControls` on the kernels: every step's scores and the final histories are the torch path's."""
+    kernels(False)
+    reference_scores, reference_history = controlled_steps()
+    kernels(True)
+    scores, history = controlled_steps()
+    for step, (ours, reference) in enumerate(zip(scores, reference_scores)):
+        torch.testing.assert_close(ours, reference, rtol=0, atol=0, msg=f"step {step}")
+    for name in history:
+        assert torch.equal(history[name], reference_history[name]), name
+    assert torch.isfinite(scores[0][2]).nonzero().flatten().tolist() == [4, 5, 6, 40]  # row 3 allows them

@@ -184,8 +184,8 @@ def test_warm_up_runs_the_kernels_it_warms_and_they_agree_with_the_torch_paths(m
         logits = warm_up_logits(cpu, vocab, dtype)
         assert torch.equal(results[f"tokens_{str(dtype).removeprefix('torch.')}"], reference_sample(logits, settings))
     torch_path = warm_up_sampling(cpu, vocab, torch.bfloat16)
-    assert torch.equal(results["penalised_logits"], torch_path["penalised_logits"])
-    assert not torch.equal(results["penalised_logits"], warm_up_logits(cpu, vocab, torch.float32))
+    assert torch.equal(results["controlled_logits"], torch_path["controlled_logits"])
+    assert not torch.equal(results["controlled_logits"], warm_up_logits(cpu, vocab, torch.float32))
     raw = warm_up_logits(cpu, vocab, torch.bfloat16)
     expected = torch.log_softmax(raw.float(), dim=-1).max(dim=-1).values
     torch.testing.assert_close(results["logprobs"], expected, rtol=0, atol=1e-5)
@@ -201,8 +201,8 @@ def compiled_variants(kernel) -> int:
 
 @pytest.mark.gpu
 def test_gpu_warm_up_leaves_nothing_to_compile_for_a_step():
-    """After warm_up_sampling, what a step's sampling runs (other batch sizes, both logits dtypes, penalties, the
-    history update, logprobs) compiles nothing more."""
+    """After warm_up_sampling, what a step's sampling runs (other batch sizes, both logits dtypes, the logit
+    controls with other entry counts, the history update, logprobs) compiles nothing more."""
     from nanovllm.kernels import logit_controls as control_kernels
     from nanovllm.kernels import logprobs, penalties, sampling
 
@@ -210,7 +210,8 @@ def test_gpu_warm_up_leaves_nothing_to_compile_for_a_step():
     warm_up_sampling(device, vocab, torch.bfloat16)
     kernels = [sampling._sample_kernel, sampling._sample_wide_kernel,
                logprobs._segment_kernel, logprobs._combine_kernel, penalties._penalties_kernel,
-               control_kernels._record_kernel]
+               control_kernels._record_kernel, control_kernels._batch_index_kernel, control_kernels._allowed_kernel,
+               control_kernels._bad_words_kernel, control_kernels._min_tokens_kernel, control_kernels._bias_kernel]
     before = [compiled_variants(kernel) for kernel in kernels]
     assert all(before), before
     rows = 37
@@ -224,9 +225,19 @@ def test_gpu_warm_up_leaves_nothing_to_compile_for_a_step():
     history = logit_controls.TokenHistory.allocate(8, vocab, logit_controls.HISTORY_WINDOW, device)
     history.reset(3, list(range(100)), [5, 6])
     logits = torch.randn(6, vocab, device=device)
-    logit_controls.apply_penalties(logits, torch.tensor([2], device=device), torch.tensor([3], device=device),
-                                      history, *(torch.ones(1, device=device),) * 3)
-    history.record(torch.tensor([3, 4], device=device), logits.argmax(dim=-1), torch.tensor([2, 0], device=device))
+
+    def ids(*values):
+        return torch.tensor(values, device=device)
+
+    index = logit_controls.batch_index_of(ids(7, 2, 5, 0, 1, 3), 12)
+    logit_controls.apply_allowed_tokens(logits, index, ids(2, 9), ids(0, 3, 5), ids(1, 2, 3, 4, 5))
+    prefixes, banned = logit_controls.pack_bad_words([[5, 6, 7], [9], [8]], logit_controls.HISTORY_WINDOW)
+    logit_controls.apply_bad_words(logits, index, ids(5, 5, 11), ids(3, 3, 3), prefixes.to(device), banned.to(device),
+                                   history)
+    logit_controls.apply_min_tokens(logits, index, ids(0, 0, 1), ids(2, 3, 2), ids(4, 4, 4), ids(*range(6)))
+    logit_controls.apply_logit_bias(logits, index, ids(7, 7, 3), ids(10, 11, 10), ids(1.0, 2.0, 3.0))
+    logit_controls.apply_penalties(logits, ids(2), ids(3), history, *(torch.ones(1, device=device),) * 3)
+    history.record(ids(3, 4), logits.argmax(dim=-1), ids(2, 0))
     raw = torch.randn(3, vocab, device=device, dtype=torch.bfloat16)
     from nanovllm.layers.logprobs import compute_logprobs
     compute_logprobs(raw, raw.argmax(dim=-1), 2)

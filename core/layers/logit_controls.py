@@ -13,11 +13,15 @@ Per-row state lives on the device and is addressed by *entries* rather than per-
   distinct seen tokens (prompt and output) int32 [slots, vocab + 1] with its length, the last `window` output
   tokens and the output length. Penalties touch only the listed tokens (`kernels/penalties.py` on CUDA): a step
   costs what the histories hold, not the vocabulary. At vocab 151,936 a slot costs 1.4 MB, so a pool of 64 slots
-  is 87 MB; rows without such controls hold no slot. `record` appends a step's samples (one kernel on CUDA:
-  `kernels/logit_controls.py`).
+  is 87 MB; rows without such controls hold no slot. `record` appends a step's samples.
 - Sparse controls (logit_bias, allowed_token_ids, min_tokens' stop ids, bad words) are flat entry lists
-  (batch row, token[, value]) that the engine keeps as device tensors keyed by its persistent row ids and maps to
-  this step's batch rows on the device (`batch_index_of`), rebuilding them only when requests join or leave.
+  (persistent row, token[, value]) that the engine keeps as device tensors keyed by its persistent row ids,
+  rebuilding them only when requests join or leave. A step maps them to its batch rows through `batch_index_of`
+  (-1: the row is not in the step, and its entries do nothing).
+
+On CUDA each op is one kernel (`kernels/penalties.py`, `kernels/logit_controls.py`): a step with controls runs a
+handful of launches rather than dozens of small torch ops, which cost more host time than their device work.
+Elsewhere the same ops run in torch, with the kernels' results bit for bit.
 """
 from __future__ import annotations
 
@@ -45,10 +49,21 @@ def _use_kernel(tensor: torch.Tensor) -> bool:
 
 
 def batch_index_of(batch_rows: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """Inverse of a step's row list: for each persistent row id its batch index this step, or -1 (device op)."""
+    """Inverse of a step's row list (distinct persistent row ids): for each persistent row id its batch index this
+    step, or -1 (device op)."""
+    if _use_kernel(batch_rows):
+        from nanovllm.kernels.logit_controls import batch_index_map
+        return batch_index_map(batch_rows, num_rows)
     inverse = torch.full((num_rows,), -1, dtype=torch.int64, device=batch_rows.device)
     inverse[batch_rows] = torch.arange(len(batch_rows), device=batch_rows.device)
     return inverse
+
+
+def _in_step(batch_index: torch.Tensor, rows: torch.Tensor, *columns: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The entries of rows in the step (the torch paths): their batch rows, then their `columns`."""
+    batch_rows = batch_index[rows]
+    present = batch_rows >= 0
+    return (batch_rows[present], *(column[present] for column in columns))
 
 
 HISTORY_WINDOW = 8  # the output tokens a slot keeps in `recent`: bad words of up to 9 tokens
@@ -150,32 +165,52 @@ def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, slots: torch.Tenso
     logits[rows[which], tokens] = values
 
 
-def apply_logit_bias(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor,
+def apply_logit_bias(logits: torch.Tensor, batch_index: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor,
                      biases: torch.Tensor) -> None:
-    """Entries (row, token, bias): bias added to the logit (one index_put)."""
+    """Entries (persistent row, token, float32 bias), a row's tokens distinct (dict keys): bias added to the
+    logit. `batch_index` maps persistent rows to batch rows (`batch_index_of`; -1: the entry does nothing), as in
+    every sparse control below."""
     _check_float32(logits)
-    logits.index_put_((rows, token_ids), biases.to(torch.float32), accumulate=True)
+    if _use_kernel(logits):
+        from nanovllm.kernels.logit_controls import add_logit_bias
+        add_logit_bias(logits, batch_index, rows, token_ids, biases)
+        return
+    rows, token_ids, biases = _in_step(batch_index, rows, token_ids, biases)
+    logits.index_put_((rows, token_ids), biases, accumulate=True)
 
 
-def apply_allowed_tokens(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
-    """Entries (row, allowed token): in every row that has entries, all other tokens get -inf."""
+def apply_allowed_tokens(logits: torch.Tensor, batch_index: torch.Tensor, rows: torch.Tensor,
+                         offsets: torch.Tensor, token_ids: torch.Tensor) -> None:
+    """Persistent rows [r] (distinct), row i allowing token_ids[offsets[i]:offsets[i + 1]] (a non-empty range):
+    all other tokens of the row get -inf."""
     _check_float32(logits)
+    if _use_kernel(logits):
+        from nanovllm.kernels.logit_controls import mask_to_allowed
+        mask_to_allowed(logits, batch_index, rows, offsets, token_ids)
+        return
+    rows, token_ids = _in_step(batch_index, rows.repeat_interleave(offsets.diff()), token_ids)
     kept = logits[rows, token_ids]
     logits.index_fill_(0, rows, float("-inf"))  # a row listed many times is filled many times: same result
     logits[rows, token_ids] = kept
 
 
 def _ban_where(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor, ban: torch.Tensor) -> None:
-    """-inf where `ban`, by accumulation: entries repeating a (row, token) with different verdicts still ban."""
-    logits.index_put_((rows, token_ids), torch.where(ban, float("-inf"), 0.0), accumulate=True)
+    """-inf where `ban`, and nothing written elsewhere: entries repeating a (row, token) with different verdicts
+    ban it."""
+    logits[rows[ban], token_ids[ban]] = float("-inf")
 
 
-def apply_min_tokens(logits: torch.Tensor, rows: torch.Tensor, stop_ids: torch.Tensor, min_tokens: torch.Tensor,
-                     output_lens: torch.Tensor) -> None:
-    """Entries (row, stop token id — EOS and the request's stop_token_ids —, the row's min_tokens): the token is
-    banned while the row's output length (output_lens [batch], e.g. SamplingTensors.sample_positions) is below
-    min_tokens."""
+def apply_min_tokens(logits: torch.Tensor, batch_index: torch.Tensor, rows: torch.Tensor, stop_ids: torch.Tensor,
+                     min_tokens: torch.Tensor, output_lens: torch.Tensor) -> None:
+    """Entries (persistent row, stop token id — EOS and the request's stop_token_ids —, the row's min_tokens): the
+    token is banned while the row's output length (output_lens [batch], e.g. SamplingTensors.sample_positions)
+    is below min_tokens."""
     _check_float32(logits)
+    if _use_kernel(logits):
+        from nanovllm.kernels.logit_controls import ban_until_min_tokens
+        ban_until_min_tokens(logits, batch_index, rows, stop_ids, min_tokens, output_lens)
+        return
+    rows, stop_ids, min_tokens = _in_step(batch_index, rows, stop_ids, min_tokens)
     _ban_where(logits, rows, stop_ids, output_lens[rows] < min_tokens)
 
 
@@ -193,14 +228,43 @@ def pack_bad_words(bad_words: list[list[int]], window: int) -> tuple[torch.Tenso
     return prefixes, last
 
 
-def apply_bad_words(logits: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, prefixes: torch.Tensor,
-                    banned: torch.Tensor, history: TokenHistory) -> None:
-    """Entries (row, slot, prefix, banned token) from `pack_bad_words`: the banned token gets -inf when the row's
-    output ends with the prefix (always for a one-token word). As vLLM, the prompt is not part of the match."""
+def apply_bad_words(logits: torch.Tensor, batch_index: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
+                    prefixes: torch.Tensor, banned: torch.Tensor, history: TokenHistory) -> None:
+    """Entries (persistent row, slot, prefix, banned token) from `pack_bad_words`: the banned token gets -inf when
+    the row's output ends with the prefix (always for a one-token word). As vLLM, the prompt is not part of the
+    match."""
     _check_float32(logits)
     if prefixes.shape[1] != history.window:
         raise ValueError(f"bad_words prefixes have width {prefixes.shape[1]}, the history window is "
                          f"{history.window}")
+    if _use_kernel(logits):
+        from nanovllm.kernels.logit_controls import ban_bad_words
+        ban_bad_words(logits, batch_index, rows, slots, prefixes, banned, history.recent)
+        return
+    rows, slots, prefixes, banned = _in_step(batch_index, rows, slots, prefixes, banned)
     recent = history.recent[slots]
     match = ((recent == prefixes) | (prefixes < 0)).all(dim=1)
     _ban_where(logits, rows, banned, match)
+
+
+def warm_up_controls(logits: torch.Tensor) -> None:
+    """Run the history update and every control once on float32 `logits` [n >= 3, vocab] (in place), so that
+    their kernels compile at engine start rather than in the first step that needs them. Batch rows 0, ..., n - 1
+    are persistent rows n, ..., 1; each sparse control also has an entry of persistent row 0, not in the batch."""
+    device = logits.device
+    n = len(logits)
+
+    def ids(*values: int) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    history = TokenHistory.allocate(2, logits.shape[1], HISTORY_WINDOW, device)
+    history.reset(0, [1, 2, 3], [2])
+    history.record(ids(0, 1), ids(*range(3, 3 + n)), ids(0, 1))  # slot 0's output ends with 2, 3
+    index = batch_index_of(torch.arange(n, 0, -1, device=device), n + 1)
+    apply_allowed_tokens(logits, index, ids(0, n), ids(0, 1, 4), ids(9, 5, 6, 7))
+    prefixes, banned = pack_bad_words([[2, 3, 9], [8]], HISTORY_WINDOW)
+    apply_bad_words(logits, index, ids(n - 1, 0), ids(0, 0), prefixes.to(device), banned.to(device), history)
+    apply_min_tokens(logits, index, ids(n - 2, 0), ids(11, 11), ids(5, 5), torch.arange(n, device=device))
+    apply_logit_bias(logits, index, ids(n, 0), ids(5, 12), torch.tensor([1.5, 2.0], device=device))
+    apply_penalties(logits, ids(1, 0), ids(0, 1), history, torch.full((2,), 1.3, device=device),
+                    torch.full((2,), 0.5, device=device), torch.full((2,), 0.2, device=device))

@@ -103,12 +103,12 @@ def warm_up_logits(device: torch.device, vocab_size: int, dtype: torch.dtype) ->
 def warm_up_sampling(device: torch.device, vocab_size: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Run once everything a step's sampling can launch, on a small batch, so that Triton compiles it at engine
     start rather than inside the first job that needs it: the fused sampler on logits of the model's dtype and on
-    float32 ones (what the logit controls hand it), the penalties on float32 logits, and the logprobs of the
-    model's dtype, and a structured-output mask. On the CPU the same entry points run their torch paths. Returns
-    what each call produced, for a caller or a test to check: the tokens per logits dtype, the penalised logits,
-    the logprobs and the masked logits."""
+    float32 ones (what the logit controls hand it), the logit controls and penalties on float32 logits with the
+    history update, and the logprobs of the model's dtype, and a structured-output mask. On the CPU the same
+    entry points run their torch paths. Returns what each call produced, for a caller or a test to check: the
+    tokens per logits dtype, the controlled logits, the logprobs and the masked logits."""
     from nanovllm.kernels.token_bitmask import apply_token_bitmask, bitmask_width
-    from nanovllm.layers.logit_controls import HISTORY_WINDOW, TokenHistory, apply_penalties
+    from nanovllm.layers.logit_controls import warm_up_controls
     from nanovllm.layers.logprobs import compute_logprobs
 
     settings = warm_up_rows(device, vocab_size)
@@ -117,14 +117,8 @@ def warm_up_sampling(device: torch.device, vocab_size: int, dtype: torch.dtype) 
         results[f"tokens_{str(logits_dtype).removeprefix('torch.')}"] = sample(
             warm_up_logits(device, vocab_size, logits_dtype), settings)
     logits = warm_up_logits(device, vocab_size, torch.float32)
-    history = TokenHistory.allocate(2, vocab_size, HISTORY_WINDOW, device)  # the window the runner's step has
-    history.reset(0, [1, 2, 3], [2])
-    history.record(torch.tensor([0, 1], device=device), torch.tensor([4, 3], device=device),
-                   torch.tensor([1, 0], device=device))
-    apply_penalties(logits, torch.tensor([1, 0], device=device), torch.tensor([0, 1], device=device), history,
-                    torch.full((2,), 1.3, device=device), torch.full((2,), 0.5, device=device),
-                    torch.full((2,), 0.2, device=device))
-    results["penalised_logits"] = logits
+    warm_up_controls(logits)
+    results["controlled_logits"] = logits
     raw = warm_up_logits(device, vocab_size, dtype)
     results["logprobs"] = compute_logprobs(raw, raw.argmax(dim=-1), 5).logprobs
     # A structured-output mask as narrow as a tokenizer's (one word short of the vocabulary), on row 1 only.

@@ -10,7 +10,7 @@ changes only when a row with controls joins or leaves, never from the host per s
   round trip.
 - Sparse controls (logit_bias, allowed_token_ids, min_tokens' stop ids) are entry lists keyed by the persistent
   row, rebuilt as new tensors when a row with them joins or leaves (a step in flight keeps the old ones) and
-  mapped to a step's batch indices on the device. Entries of rows not in the step go to a sink row.
+  mapped to a step's batch indices on the device. Entries of rows not in the step do nothing.
 
 A step in which no row has controls runs none of this (the runner checks `num_rows`)."""
 from __future__ import annotations
@@ -40,7 +40,7 @@ class _Sparse:
     """Device entry lists keyed by persistent row (each a tuple of tensors), or None when no row has them."""
 
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # rows, tokens, biases
-    allowed: tuple[torch.Tensor, torch.Tensor] | None  # rows, tokens
+    allowed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # rows (distinct), their tokens' offsets, tokens
     min_tokens: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # rows, stop ids, min_tokens
     bad_words: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None  # rows, slots, prefixes, last
 
@@ -165,6 +165,9 @@ class LogitControls:
                     return None
                 return tuple(upload(a, d, self.device) for a, d in zip(arrays, dtypes))
 
+            allowed_counts = np.array([len(e.allowed) for e in entries])
+            allowing = allowed_counts > 0
+            allowed_offsets = np.cumsum(np.concatenate([[0], allowed_counts[allowing]]))
             bias_rows, bias_tokens = column("bias_tokens")
             bias_values = joined("bias_values")
             stop_rows, stops = column("min_stops")
@@ -173,7 +176,7 @@ class LogitControls:
             bad_prefixes = joined("bad_prefixes")
             self._sparse = _Sparse(
                 device(bias_rows, bias_tokens, bias_values, dtypes=(torch.int64, torch.int64, torch.float32)),
-                device(*column("allowed")),
+                device(rows[allowing], allowed_offsets, joined("allowed")),
                 device(stop_rows, stops, min_tokens),
                 device(bad_rows, self.slot_of_row[bad_rows], bad_prefixes, bad_last))
         return self._sparse
@@ -204,28 +207,22 @@ class LogitControls:
         logprobs of the raw distribution). `batch_rows`: the step's persistent rows [n]; `output_lens` [n]: the
         index of the output token each row draws; `penalty`: (batch indices, slots, repetition, presence,
         frequency) of the staged rows, or None."""
-        n, vocab = logits.shape
-        work = torch.empty(n + 1, vocab, dtype=torch.float32, device=logits.device)  # row n: the sink
-        work[:n].copy_(logits)
-        work[n].zero_()
+        work = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
         sparse = self._sparse_tensors()
         if sparse.bias or sparse.allowed or sparse.min_tokens or sparse.bad_words:
             index = batch_index_of(batch_rows, self.num_rows_total)
-            index = torch.where(index < 0, n, index)
-            lens = torch.cat([output_lens, output_lens.new_zeros(1)])
             if sparse.allowed:
-                apply_allowed_tokens(work, index[sparse.allowed[0]], sparse.allowed[1])
+                apply_allowed_tokens(work, index, *sparse.allowed)
             if sparse.bad_words:
-                rows, slots, prefixes, last = sparse.bad_words
-                apply_bad_words(work, index[rows], slots, prefixes, last, self.history)
+                apply_bad_words(work, index, *sparse.bad_words, self.history)
             if sparse.min_tokens:
-                apply_min_tokens(work, index[sparse.min_tokens[0]], sparse.min_tokens[1], sparse.min_tokens[2], lens)
+                apply_min_tokens(work, index, *sparse.min_tokens, output_lens)
             if sparse.bias:
-                apply_logit_bias(work, index[sparse.bias[0]], sparse.bias[1], sparse.bias[2])
+                apply_logit_bias(work, index, *sparse.bias)
         if penalty is not None:
             rows, slots, repetition, presence, frequency = penalty
             apply_penalties(work, rows, slots, self.history, repetition, presence, frequency)
-        return work[:n]
+        return work
 
     def record(self, sampled: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
         """Advance the staged rows' histories by this step's samples (`sampled` [batch]; `rows`: the staged rows'
