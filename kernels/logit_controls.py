@@ -85,42 +85,6 @@ def _entry_rows(batch_index, rows, at, valid):
     return row, valid & (row >= 0)
 
 
-@triton.jit
-def _allowed_kernel(logits, stride, vocab, batch_index, rows, offsets, tokens, kept, BLOCK: tl.constexpr):
-    group = tl.program_id(0)
-    row = tl.load(batch_index + tl.load(rows + group))
-    if row >= 0:
-        base = logits + row * stride
-        first = tl.load(offsets + group)
-        end = tl.load(offsets + group + 1)
-        for start in range(first, end, BLOCK):
-            at = start + tl.arange(0, BLOCK)
-            valid = at < end
-            token = tl.load(tokens + at, mask=valid, other=0)
-            tl.store(kept + at, tl.load(base + token, mask=valid), mask=valid)
-        tl.debug_barrier()  # every allowed logit is read before the row is filled
-        for start in range(0, vocab, BLOCK):
-            lanes = start + tl.arange(0, BLOCK)
-            tl.store(base + lanes, float("-inf"), mask=lanes < vocab)
-        tl.debug_barrier()  # and the row is filled before they are written back
-        for start in range(first, end, BLOCK):
-            at = start + tl.arange(0, BLOCK)
-            valid = at < end
-            token = tl.load(tokens + at, mask=valid, other=0)
-            tl.store(base + token, tl.load(kept + at, mask=valid), mask=valid)
-
-
-def mask_to_allowed(logits: torch.Tensor, batch_index: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor,
-                    tokens: torch.Tensor, block: int = 1024) -> None:
-    """Persistent rows [r] (distinct), each with its allowed tokens tokens[offsets[i]:offsets[i + 1]] (a non-empty
-    range): every other logit of the row becomes -inf. One program per row: it reads the allowed logits, fills
-    the row and writes them back, in that order."""
-    if len(rows):
-        kept = torch.empty(len(tokens), dtype=torch.float32, device=logits.device)
-        _allowed_kernel[(len(rows),)](logits, logits.stride(0), logits.shape[1], batch_index, rows, offsets,
-                                      tokens, kept, BLOCK=block, num_warps=4)
-
-
 @triton.jit(do_not_specialize=["num_entries"])
 def _bad_words_kernel(logits, stride, batch_index, rows, slots, prefixes, banned, num_entries, recent, window,
                       BLOCK: tl.constexpr, WINDOW_BLOCK: tl.constexpr):

@@ -124,7 +124,8 @@ def test_rows_release_their_controls(engines):
     llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=3, repetition_penalty=1.5, logit_bias={3: 1.0}))
     assert llm._runner.persistent.controls.num_rows > 0  # rows are released with the next batch
     llm.generate([[5]], SamplingParams(temperature=0, max_tokens=2))
-    assert llm._runner.persistent.controls.num_rows == 0 and not llm._runner.persistent.controls._entries
+    controls = llm._runner.persistent.controls
+    assert controls.num_rows == 0 and not controls.bias.live and controls.bias.tensors() is None
 
 
 @pytest.fixture(scope="module")

@@ -68,7 +68,6 @@ for kernel, types, constexprs in (
         (C._record_kernel, ["*i64"] * 3 + ["*i32", "i32", "*i1", "i32", "*i32", "i32", "*i32", "*i64", "i32", "*i64"],
          {"WINDOW_BLOCK": 8}),
         (C._batch_index_kernel, ["*i64", "i32", "*i64", "i32"], {"BLOCK": 1024}),
-        (C._allowed_kernel, ["*fp32", "i32", "i32"] + ["*i64"] * 4 + ["*fp32"], {"BLOCK": 1024}),
         (C._bad_words_kernel, ["*fp32", "i32"] + ["*i64"] * 5 + ["i32", "*i64", "i32"],
          {"BLOCK": C.WORD_BLOCK, "WINDOW_BLOCK": 8}),
         (C._min_tokens_kernel, ["*fp32", "i32"] + ["*i64"] * 4 + ["i32", "*i64"], {"BLOCK": C.ENTRY_BLOCK}),

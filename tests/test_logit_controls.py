@@ -16,6 +16,7 @@ from nanovllm import SamplingParams
 from nanovllm.layers import logit_controls
 from nanovllm.layers.logit_controls import (
     TokenHistory,
+    allowed_bitmask,
     apply_allowed_tokens,
     apply_bad_words,
     apply_logit_bias,
@@ -24,7 +25,7 @@ from nanovllm.layers.logit_controls import (
     batch_index_of,
     pack_bad_words,
 )
-from nanovllm.runner.logit_controls import LogitControls
+from nanovllm.runner.logit_controls import LogitControls, _EntryPool
 
 VOCAB = 64
 PROMPTS = [[3, 4, 5, 3], [10, 11], [7, 7, 8]]
@@ -169,9 +170,7 @@ def test_allowed_token_ids_mask_everything_else(kernels, on_kernels):
     logits = random_logits(seed=6)
     ours = logits.clone()
     allowed = {0: [5, 6, 60], 2: [1]}
-    offsets = torch.tensor([0] + [len(ids) for ids in allowed.values()]).cumsum(0)
-    apply_allowed_tokens(ours, IDENTITY, torch.tensor(list(allowed)), offsets,
-                         torch.tensor([t for ids in allowed.values() for t in ids]))
+    apply_allowed_tokens(ours, IDENTITY, *allowed_tables(allowed, 3, VOCAB))
     for row in range(3):
         for token in range(VOCAB):
             want = logits[row, token] if row not in allowed or token in allowed[row] else float("-inf")
@@ -287,6 +286,13 @@ def test_the_record_kernel_leaves_the_torch_paths_history(kernels):
     assert histories[True].recent[1].tolist() == [9, 5, 12] and histories[True].output_lens.tolist() == [3, 7, 0, 6]
 
 
+def allowed_tables(allowed, num_rows, vocab):
+    """(allowed_rows, bitmask) of `allowed` {persistent row: its allowed token ids}."""
+    rows = torch.tensor([row in allowed for row in range(num_rows)])
+    bitmask = torch.from_numpy(np.stack([allowed_bitmask(allowed.get(row, []), vocab) for row in range(num_rows)]))
+    return rows, bitmask
+
+
 def sparse_controls_step(vocab=300, window=4):
     """A step whose batch holds persistent rows 5, 2, 6, 0 (of 7), with entries of every sparse control, some of
     them on rows 1, 3 and 4, which are not in it; bad words repeat a (row, token) with different verdicts."""
@@ -300,7 +306,7 @@ def sparse_controls_step(vocab=300, window=4):
     words = [[9, 10, 50], [7, 10, 50], [50], [2, 60], [1, 60], [3, 61], [62]]
     prefixes, banned = pack_bad_words(words, window)
     controls = dict(
-        allowed=(torch.tensor([3, 2, 0]), torch.tensor([0, 2, 5, 6]), torch.tensor([4, 5, 7, 8, 200, 9])),
+        allowed=allowed_tables({3: [4, 5], 2: [7, 8, 200], 0: [9]}, 7, vocab),
         bad_words=(torch.tensor([5, 5, 2, 6, 6, 1, 4]), torch.tensor([0, 0, 1, 1, 1, 2, 2]), prefixes, banned),
         min_tokens=(torch.tensor([5, 5, 2, 3, 0]), torch.tensor([20, 21, 20, 20, 22]), torch.tensor([3, 3, 1, 9, 9])),
         bias=(torch.tensor([5, 5, 6, 1, 0]), torch.tensor([30, 31, 30, 30, 7]),
@@ -338,11 +344,11 @@ def test_sparse_control_kernels_equal_the_torch_paths(kernels):
     assert changed[2] == [30, 60] and ours[2, 60] == float("-inf") and ours[2, 30] == logits[2, 30] + 0.75
 
 
-def controlled_steps(vocab=96):
+def controlled_steps(vocab=96, device="cpu"):
     """The runner's controls over a few steps as the runner drives them (stage, apply, a greedy draw, record): rows
     with every control, steps that leave rows out or list them in another order, a row joining midway (the slot
-    pool grows) and one leaving. Returns each step's scores and the final history tables."""
-    controls = LogitControls(6, vocab, torch.device("cpu"), eos_token_ids=[2], initial_slots=2)
+    pool grows) and one leaving. Returns each step's scores and the final history tables (on the CPU)."""
+    controls = LogitControls(6, vocab, device, eos_token_ids=[2], initial_slots=2)
     controls.fill(0, SamplingParams(repetition_penalty=1.3, logit_bias={5: 3.0, 7: -2.0}), [1, 2, 3, 4], 3, [])
     controls.fill(2, SamplingParams(presence_penalty=0.5, frequency_penalty=0.4, min_tokens=3, stop_token_ids=[9]),
                   [10, 11, 12], 2, [[12, 13], [50]])
@@ -358,14 +364,15 @@ def controlled_steps(vocab=96):
             ("penalty_rows", np.int64), ("penalty_slots", np.int64), ("repetition_penalties", np.float32),
             ("presence_penalties", np.float32), ("frequency_penalties", np.float32))}
         count = controls.stage(host, np.array(batch), [True] * len(batch))
-        penalty = tuple(torch.from_numpy(host[name][:count]) for name in host) if count else None
-        logits = (torch.randn(len(batch), vocab, generator=generator) * 3).to(torch.bfloat16)
-        step_scores = controls.apply(logits, torch.tensor(batch), torch.full((len(batch),), step), penalty)
+        penalty = tuple(torch.from_numpy(host[name][:count]).to(device) for name in host) if count else None
+        logits = (torch.randn(len(batch), vocab, generator=generator) * 3).to(device, torch.bfloat16)
+        step_scores = controls.apply(logits, torch.tensor(batch, device=device),
+                                     torch.full((len(batch),), step, device=device), penalty)
         sampled = step_scores.argmax(dim=-1)
         if penalty is not None:
             controls.record(sampled, penalty[0], penalty[1])
-        scores.append(step_scores)
-    return scores, history_tables(controls.history)
+        scores.append(step_scores.cpu())
+    return scores, {name: table.cpu() for name, table in history_tables(controls.history).items()}
 
 
 def test_the_runners_controls_step_through_the_kernels_as_through_torch(kernels):
@@ -379,3 +386,39 @@ def test_the_runners_controls_step_through_the_kernels_as_through_torch(kernels)
     for name in history:
         assert torch.equal(history[name], reference_history[name]), name
     assert torch.isfinite(scores[0][2]).nonzero().flatten().tolist() == [4, 5, 6, 40]  # row 3 allows them
+
+
+@pytest.mark.gpu
+def test_gpu_runners_controls_on_the_compiled_kernels_equal_the_cpu_torch_path():
+    """The same steps on CUDA (the compiled kernels: thread order inside a program, which the interpreter cannot
+    show) and on the CPU (the torch path): scores and histories bit for bit."""
+    reference_scores, reference_history = controlled_steps()
+    scores, history = controlled_steps(device="cuda")
+    for step, (ours, reference) in enumerate(zip(scores, reference_scores)):
+        torch.testing.assert_close(ours, reference, rtol=0, atol=0, msg=f"step {step}")
+    for name in history:
+        assert torch.equal(history[name], reference_history[name]), name
+
+
+def test_entry_pool_holds_each_live_rows_entries_through_joins_leaves_and_rebuilds():
+    """Rows joining and leaving in random order (some with no entries, some rejoining): after every change the
+    entries that do not point at the dead row are exactly the live rows' ones, and the pool's size stays within
+    twice what it held at its last rebuild plus what joined since."""
+    generator = np.random.default_rng(5)
+    pool = _EntryPool(torch.device("cpu"), 99, (torch.int64, torch.float32))
+    expected: dict[int, set] = {}
+    for _ in range(300):
+        row = int(generator.integers(0, 12))
+        pool.remove(row)
+        expected.pop(row, None)
+        if generator.random() < 0.6:  # the row joins (again), else it only left
+            count = int(generator.integers(0, 6))
+            tokens = generator.choice(1000, count, replace=False).astype(np.int64)
+            values = generator.standard_normal(count).astype(np.float32)
+            pool.add(row, (tokens, values))
+            expected[row] = {(row, int(t), float(v)) for t, v in zip(tokens, values)}
+        entries = pool.tensors()
+        held = set() if entries is None else {
+            (int(r), int(t), float(v)) for r, t, v in zip(*entries) if int(r) != 99}
+        assert held == set().union(*expected.values())
+        assert entries is None or len(entries[0]) <= len(pool.columns[0])

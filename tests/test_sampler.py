@@ -2,6 +2,7 @@
 filtered one, its noise, greedy rows, and the engine's guarantee that seeded rows ignore the rest of the batch."""
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -210,7 +211,7 @@ def test_gpu_warm_up_leaves_nothing_to_compile_for_a_step():
     warm_up_sampling(device, vocab, torch.bfloat16)
     kernels = [sampling._sample_kernel, sampling._sample_wide_kernel,
                logprobs._segment_kernel, logprobs._combine_kernel, penalties._penalties_kernel,
-               control_kernels._record_kernel, control_kernels._batch_index_kernel, control_kernels._allowed_kernel,
+               control_kernels._record_kernel, control_kernels._batch_index_kernel,
                control_kernels._bad_words_kernel, control_kernels._min_tokens_kernel, control_kernels._bias_kernel]
     before = [compiled_variants(kernel) for kernel in kernels]
     assert all(before), before
@@ -230,7 +231,11 @@ def test_gpu_warm_up_leaves_nothing_to_compile_for_a_step():
         return torch.tensor(values, device=device)
 
     index = logit_controls.batch_index_of(ids(7, 2, 5, 0, 1, 3), 12)
-    logit_controls.apply_allowed_tokens(logits, index, ids(2, 9), ids(0, 3, 5), ids(1, 2, 3, 4, 5))
+    allowing = torch.zeros(12, dtype=torch.bool, device=device)
+    allowing[[2, 9]] = True
+    bitmask = torch.from_numpy(np.stack([logit_controls.allowed_bitmask([1, 2, 3] if row != 9 else [4, 5], vocab)
+                                         for row in range(12)])).to(device)
+    logit_controls.apply_allowed_tokens(logits, index, allowing, bitmask)
     prefixes, banned = logit_controls.pack_bad_words([[5, 6, 7], [9], [8]], logit_controls.HISTORY_WINDOW)
     logit_controls.apply_bad_words(logits, index, ids(5, 5, 11), ids(3, 3, 3), prefixes.to(device), banned.to(device),
                                    history)

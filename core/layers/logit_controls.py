@@ -14,14 +14,15 @@ Per-row state lives on the device and is addressed by *entries* rather than per-
   tokens and the output length. Penalties touch only the listed tokens (`kernels/penalties.py` on CUDA): a step
   costs what the histories hold, not the vocabulary. At vocab 151,936 a slot costs 1.4 MB, so a pool of 64 slots
   is 87 MB; rows without such controls hold no slot. `record` appends a step's samples.
-- Sparse controls (logit_bias, allowed_token_ids, min_tokens' stop ids, bad words) are flat entry lists
-  (persistent row, token[, value]) that the engine keeps as device tensors keyed by its persistent row ids,
-  rebuilding them only when requests join or leave. A step maps them to its batch rows through `batch_index_of`
-  (-1: the row is not in the step, and its entries do nothing).
+- Sparse controls (logit_bias, min_tokens' stop ids, bad words) are flat entry lists (persistent row, token[,
+  value]) that the engine keeps as device tensors keyed by its persistent row ids. A step maps them to its batch
+  rows through `batch_index_of` (-1: the row is not in the step, and its entries do nothing).
+  allowed_token_ids is a bitmask row per persistent row (`allowed_bitmask`), applied by the structured outputs'
+  mask kernel (`kernels/token_bitmask.py`).
 
-On CUDA each op is one kernel (`kernels/penalties.py`, `kernels/logit_controls.py`): a step with controls runs a
-handful of launches rather than dozens of small torch ops, which cost more host time than their device work.
-Elsewhere the same ops run in torch, with the kernels' results bit for bit.
+On CUDA each op is one kernel (`kernels/penalties.py`, `kernels/logit_controls.py`, `kernels/token_bitmask.py`):
+a step with controls runs a handful of launches rather than dozens of small torch ops, which cost more host time
+than their device work. Elsewhere the same ops run in torch, with the kernels' results bit for bit.
 """
 from __future__ import annotations
 
@@ -179,19 +180,24 @@ def apply_logit_bias(logits: torch.Tensor, batch_index: torch.Tensor, rows: torc
     logits.index_put_((rows, token_ids), biases, accumulate=True)
 
 
-def apply_allowed_tokens(logits: torch.Tensor, batch_index: torch.Tensor, rows: torch.Tensor,
-                         offsets: torch.Tensor, token_ids: torch.Tensor) -> None:
-    """Persistent rows [r] (distinct), row i allowing token_ids[offsets[i]:offsets[i + 1]] (a non-empty range):
-    all other tokens of the row get -inf."""
+def allowed_bitmask(token_ids: Sequence[int], vocab_size: int) -> np.ndarray:
+    """A row's allowed_token_ids as a bitmask row in kernels/token_bitmask.py's layout (int32 words, bit t % 32 of
+    word t // 32 set for each allowed token t)."""
+    from nanovllm.kernels.token_bitmask import bitmask_width
+    ids = np.asarray(token_ids, dtype=np.int64)
+    words = np.zeros(bitmask_width(vocab_size), dtype=np.uint32)
+    np.bitwise_or.at(words, ids // 32, np.left_shift(np.uint32(1), (ids % 32).astype(np.uint32)))
+    return words.view(np.int32)
+
+
+def apply_allowed_tokens(logits: torch.Tensor, batch_index: torch.Tensor, allowed_rows: torch.Tensor,
+                         bitmask: torch.Tensor) -> None:
+    """Persistent rows allowing only some tokens (allowed_rows bool [r]; bitmask int32 [r, words], row i from
+    `allowed_bitmask`): in the batch row of each that the step holds, every token its bitmask leaves out gets
+    -inf, as a structured output's mask does (one launch over the allowing rows on CUDA)."""
+    from nanovllm.kernels.token_bitmask import apply_token_bitmask
     _check_float32(logits)
-    if _use_kernel(logits):
-        from nanovllm.kernels.logit_controls import mask_to_allowed
-        mask_to_allowed(logits, batch_index, rows, offsets, token_ids)
-        return
-    rows, token_ids = _in_step(batch_index, rows.repeat_interleave(offsets.diff()), token_ids)
-    kept = logits[rows, token_ids]
-    logits.index_fill_(0, rows, float("-inf"))  # a row listed many times is filled many times: same result
-    logits[rows, token_ids] = kept
+    apply_token_bitmask(logits, bitmask, torch.where(allowed_rows, batch_index[:len(allowed_rows)], -1))
 
 
 def _ban_where(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor, ban: torch.Tensor) -> None:
@@ -261,7 +267,11 @@ def warm_up_controls(logits: torch.Tensor) -> None:
     history.reset(0, [1, 2, 3], [2])
     history.record(ids(0, 1), ids(*range(3, 3 + n)), ids(0, 1))  # slot 0's output ends with 2, 3
     index = batch_index_of(torch.arange(n, 0, -1, device=device), n + 1)
-    apply_allowed_tokens(logits, index, ids(0, n), ids(0, 1, 4), ids(9, 5, 6, 7))
+    allowing = torch.zeros(n + 1, dtype=torch.bool, device=device)
+    allowing[[0, n]] = True
+    bitmask = torch.from_numpy(np.stack([allowed_bitmask(tokens, logits.shape[1]) for tokens in
+                                         ([9], *([5, 6, 7],) * n)])).to(device)
+    apply_allowed_tokens(logits, index, allowing, bitmask)
     prefixes, banned = pack_bad_words([[2, 3, 9], [8]], HISTORY_WINDOW)
     apply_bad_words(logits, index, ids(n - 1, 0), ids(0, 0), prefixes.to(device), banned.to(device), history)
     apply_min_tokens(logits, index, ids(n - 2, 0), ids(11, 11), ids(5, 5), torch.arange(n, device=device))

@@ -8,14 +8,13 @@ changes only when a row with controls joins or leaves, never from the host per s
   not the vocabulary), reset from the host's known tokens when the row is (re)filled, then advanced on the
   device from each step's samples (`record`), so the async loop's step N + 1 sees step N's token without a host
   round trip.
-- Sparse controls (logit_bias, allowed_token_ids, min_tokens' stop ids) are entry lists keyed by the persistent
-  row, rebuilt as new tensors when a row with them joins or leaves (a step in flight keeps the old ones) and
-  mapped to a step's batch indices on the device. Entries of rows not in the step do nothing.
+- Sparse controls (logit_bias, min_tokens' stop ids, bad words) are entry lists keyed by the persistent row
+  (`_EntryPool`: a row joining or leaving costs its own entries), mapped to a step's batch indices on the device;
+  entries of rows not in the step do nothing. allowed_token_ids is a bitmask row per persistent row, applied as
+  a structured output's mask is.
 
 A step in which no row has controls runs none of this (the runner checks `num_rows`)."""
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -23,6 +22,7 @@ import torch
 from nanovllm.layers.logit_controls import (
     HISTORY_WINDOW,
     TokenHistory,
+    allowed_bitmask,
     apply_allowed_tokens,
     apply_bad_words,
     apply_logit_bias,
@@ -30,46 +30,71 @@ from nanovllm.layers.logit_controls import (
     apply_penalties,
     batch_index_of,
     pack_bad_words,
-    upload,
 )
 from nanovllm.sampling_params import SamplingParams
 
 
-@dataclass
-class _Sparse:
-    """Device entry lists keyed by persistent row (each a tuple of tensors), or None when no row has them."""
+class _EntryPool:
+    """One sparse control's entries on the device, keyed by persistent row: column 0 holds each entry's row, the
+    others its fields ([capacity] or [capacity, width]). A joining row appends its entries (one copy per column);
+    a leaving row's entries are pointed at `dead_row`, a persistent row no step holds, so they do nothing (one
+    fill). A join or a leave thus costs that row's entries, never the other running rows' (a stream of rows
+    joining and leaving at every step would otherwise rebuild every row's lists at every step); the pool is
+    rebuilt from the live rows only when the appended entries reach its capacity, which it then sets to twice the
+    live entries."""
 
-    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # rows, tokens, biases
-    allowed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # rows (distinct), their tokens' offsets, tokens
-    min_tokens: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # rows, stop ids, min_tokens
-    bad_words: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None  # rows, slots, prefixes, last
+    def __init__(self, device: torch.device, dead_row: int, dtypes: tuple[torch.dtype, ...]):
+        self.device = device
+        self.dead_row = dead_row
+        self.dtypes = (torch.int64, *dtypes)
+        self.live: dict[int, tuple[int, tuple[np.ndarray, ...]]] = {}  # row -> (first entry, its fields)
+        self.columns: list[torch.Tensor] = []
+        self.end = 0  # entries in use, the retired ones included
 
+    def add(self, row: int, fields: tuple[np.ndarray, ...]) -> None:
+        count = len(fields[0])
+        if not count:
+            return
+        if not self.columns or self.end + count > len(self.columns[0]):
+            self.live[row] = (0, fields)
+            self._rebuild()
+            return
+        self.live[row] = (self.end, fields)
+        self.columns[0][self.end:self.end + count].fill_(row)
+        for column, values in zip(self.columns[1:], fields):
+            column[self.end:self.end + count].copy_(torch.from_numpy(values), non_blocking=True)
+        self.end += count
 
-@dataclass
-class _RowEntries:
-    """One row's sparse controls as host arrays, built once when the row is filled: the entry lists of every
-    row are then joined by concatenation, so rows joining and leaving at every step of a stream cost what the
-    arrays hold, not a Python loop over every running row's entries."""
+    def remove(self, row: int) -> None:
+        entry = self.live.pop(row, None)
+        if entry is None:
+            return
+        if not self.live:
+            self.end = 0
+            return
+        first, fields = entry
+        self.columns[0][first:first + len(fields[0])].fill_(self.dead_row)
 
-    bias_tokens: np.ndarray  # int64
-    bias_values: np.ndarray  # float32
-    allowed: np.ndarray  # int64
-    min_stops: np.ndarray  # int64
-    min_counts: np.ndarray  # int64: the row's min_tokens, once per stop id
-    bad_prefixes: np.ndarray  # int64 [words, HISTORY_WINDOW]
-    bad_last: np.ndarray  # int64 [words]
+    def _rebuild(self) -> None:
+        """Every live row's entries, packed from the start, in new tensors of twice their number (a step in flight
+        keeps the old ones)."""
+        rows = list(self.live)
+        counts = [len(fields[0]) for _, fields in self.live.values()]
+        joined = [np.concatenate(parts) for parts in zip(*(fields for _, fields in self.live.values()))]
+        capacity = 2 * sum(counts)
+        host = [np.repeat(np.asarray(rows, dtype=np.int64), counts), *joined]
+        self.columns = []
+        for values, dtype in zip(host, self.dtypes):
+            column = torch.empty((capacity, *values.shape[1:]), dtype=dtype, device=self.device)
+            column[:len(values)].copy_(torch.from_numpy(values), non_blocking=True)
+            self.columns.append(column)
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        self.live = {row: (int(start), fields) for row, start, (_, fields) in zip(rows, starts, self.live.values())}
+        self.end = sum(counts)
 
-    @classmethod
-    def of(cls, params: SamplingParams, bad_words: list[list[int]], eos_token_ids: list[int]) -> _RowEntries:
-        bias = params.logit_bias or {}
-        stops: list[int] = []
-        if params.min_tokens:
-            stops = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids)))
-        prefixes, last = pack_bad_words(bad_words, HISTORY_WINDOW)
-        return cls(np.fromiter((int(t) for t in bias), np.int64, len(bias)),
-                   np.fromiter((float(v) for v in bias.values()), np.float32, len(bias)),
-                   np.asarray(params.allowed_token_ids or [], dtype=np.int64), np.asarray(stops, dtype=np.int64),
-                   np.full(len(stops), params.min_tokens, dtype=np.int64), prefixes.numpy(), last.numpy())
+    def tensors(self) -> tuple[torch.Tensor, ...] | None:
+        """The entries in use (row, fields...), or None when no live row has any."""
+        return tuple(column[:self.end] for column in self.columns) if self.live else None
 
 
 def has_controls(params: SamplingParams) -> bool:
@@ -94,8 +119,15 @@ class LogitControls:
         self.frequency = np.zeros(num_rows, dtype=np.float32)
         self.has_row = np.zeros(num_rows, dtype=bool)
         self.num_rows = 0  # rows with any control
-        self._entries: dict[int, _RowEntries] = {}  # rows with sparse controls
-        self._sparse: _Sparse | None = None  # None: rebuild before the next step
+        # the sparse controls' entries; `num_rows` is the persistent row no step holds, where retired entries point
+        self.bias = _EntryPool(device, num_rows, (torch.int64, torch.float32))  # token, bias
+        self.min_tokens = _EntryPool(device, num_rows, (torch.int64, torch.int64))  # stop id, the row's min_tokens
+        self.bad_words = _EntryPool(device, num_rows, (torch.int64, torch.int64, torch.int64))  # slot, prefix, last
+        # allowed_token_ids: a bitmask row per persistent row (allocated when a row first has some)
+        self.allowed_rows: torch.Tensor | None = None  # bool [rows]
+        self.allowed_bitmask: torch.Tensor | None = None  # int32 [rows, bitmask words]
+        self._allowing = np.zeros(num_rows, dtype=bool)
+        self.num_allowed_rows = 0
         self._free_slots: list[int] = list(range(initial_slots - 1, -1, -1))
         self.history = TokenHistory.allocate(initial_slots, vocab_size, HISTORY_WINDOW, device)
 
@@ -118,9 +150,19 @@ class LogitControls:
             self.presence[row] = params.presence_penalty
             self.frequency[row] = params.frequency_penalty
             self.history.reset(slot, token_ids[:num_prompt_tokens], token_ids[num_prompt_tokens:])
-        if params.logit_bias or params.allowed_token_ids or params.min_tokens or bad_words:
-            self._entries[row] = _RowEntries.of(params, bad_words, self.eos_token_ids)
-            self._sparse = None
+        if params.logit_bias:
+            self.bias.add(row, (np.fromiter(params.logit_bias, np.int64, len(params.logit_bias)),
+                                np.fromiter(params.logit_bias.values(), np.float32, len(params.logit_bias))))
+        if params.min_tokens:
+            stops = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids)))
+            self.min_tokens.add(row, (np.asarray(stops, dtype=np.int64),
+                                      np.full(len(stops), params.min_tokens, dtype=np.int64)))
+        if bad_words:
+            prefixes, last = pack_bad_words(bad_words, HISTORY_WINDOW)
+            self.bad_words.add(row, (np.full(len(last), self.slot_of_row[row], dtype=np.int64), prefixes.numpy(),
+                                     last.numpy()))
+        if params.allowed_token_ids:
+            self._allow(row, params.allowed_token_ids)
 
     def clear(self, row: int) -> None:
         """`row` no longer holds a sequence (or is about to be refilled)."""
@@ -133,8 +175,22 @@ class LogitControls:
             self._free_slots.append(slot)
             self.slot_of_row[row] = -1
             self.repetition[row], self.presence[row], self.frequency[row] = 1, 0, 0
-        if self._entries.pop(row, None) is not None:
-            self._sparse = None
+        for pool in (self.bias, self.min_tokens, self.bad_words):
+            pool.remove(row)
+        if self._allowing[row]:
+            self._allowing[row] = False
+            self.allowed_rows[row] = False
+            self.num_allowed_rows -= 1
+
+    def _allow(self, row: int, token_ids: list[int]) -> None:
+        bits = torch.from_numpy(allowed_bitmask(token_ids, self.vocab_size))
+        if self.allowed_bitmask is None:
+            self.allowed_rows = torch.zeros(self.num_rows_total, dtype=torch.bool, device=self.device)
+            self.allowed_bitmask = torch.empty(self.num_rows_total, len(bits), dtype=torch.int32, device=self.device)
+        self.allowed_bitmask[row].copy_(bits, non_blocking=True)
+        self.allowed_rows[row] = True
+        self._allowing[row] = True
+        self.num_allowed_rows += 1
 
     def _take_slot(self) -> int:
         if not self._free_slots:  # double the pool; the copy runs on the stream after every step queued before
@@ -145,41 +201,6 @@ class LogitControls:
                 getattr(self.history, name)[:size].copy_(getattr(old, name))
             self._free_slots = list(range(2 * size - 1, size - 1, -1))
         return self._free_slots.pop()
-
-    def _sparse_tensors(self) -> _Sparse:
-        if self._sparse is None and not self._entries:
-            self._sparse = _Sparse(None, None, None, None)
-        if self._sparse is None:
-            rows = np.fromiter(self._entries, np.int64, len(self._entries))
-            entries = list(self._entries.values())
-
-            def joined(name: str) -> np.ndarray:
-                return np.concatenate([getattr(e, name) for e in entries])
-
-            def column(name: str) -> tuple[np.ndarray, np.ndarray]:
-                """(persistent row of each entry, the entries) of one column over every row."""
-                return np.repeat(rows, [len(getattr(e, name)) for e in entries]), joined(name)
-
-            def device(*arrays: np.ndarray, dtypes=(torch.int64,) * 4) -> tuple[torch.Tensor, ...] | None:
-                if not len(arrays[0]):
-                    return None
-                return tuple(upload(a, d, self.device) for a, d in zip(arrays, dtypes))
-
-            allowed_counts = np.array([len(e.allowed) for e in entries])
-            allowing = allowed_counts > 0
-            allowed_offsets = np.cumsum(np.concatenate([[0], allowed_counts[allowing]]))
-            bias_rows, bias_tokens = column("bias_tokens")
-            bias_values = joined("bias_values")
-            stop_rows, stops = column("min_stops")
-            min_tokens = joined("min_counts")
-            bad_rows, bad_last = column("bad_last")
-            bad_prefixes = joined("bad_prefixes")
-            self._sparse = _Sparse(
-                device(bias_rows, bias_tokens, bias_values, dtypes=(torch.int64, torch.int64, torch.float32)),
-                device(rows[allowing], allowed_offsets, joined("allowed")),
-                device(stop_rows, stops, min_tokens),
-                device(bad_rows, self.slot_of_row[bad_rows], bad_prefixes, bad_last))
-        return self._sparse
 
     # ---- one step --------------------------------------------------------------------------------------------
 
@@ -208,17 +229,17 @@ class LogitControls:
         index of the output token each row draws; `penalty`: (batch indices, slots, repetition, presence,
         frequency) of the staged rows, or None."""
         work = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
-        sparse = self._sparse_tensors()
-        if sparse.bias or sparse.allowed or sparse.min_tokens or sparse.bad_words:
-            index = batch_index_of(batch_rows, self.num_rows_total)
-            if sparse.allowed:
-                apply_allowed_tokens(work, index, *sparse.allowed)
-            if sparse.bad_words:
-                apply_bad_words(work, index, *sparse.bad_words, self.history)
-            if sparse.min_tokens:
-                apply_min_tokens(work, index, *sparse.min_tokens, output_lens)
-            if sparse.bias:
-                apply_logit_bias(work, index, *sparse.bias)
+        bias, min_tokens, bad_words = self.bias.tensors(), self.min_tokens.tensors(), self.bad_words.tensors()
+        if bias or min_tokens or bad_words or self.num_allowed_rows:
+            index = batch_index_of(batch_rows, self.num_rows_total + 1)  # and the retired entries' row: -1
+            if self.num_allowed_rows:
+                apply_allowed_tokens(work, index, self.allowed_rows, self.allowed_bitmask)
+            if bad_words:
+                apply_bad_words(work, index, *bad_words, self.history)
+            if min_tokens:
+                apply_min_tokens(work, index, *min_tokens, output_lens)
+            if bias:
+                apply_logit_bias(work, index, *bias)
         if penalty is not None:
             rows, slots, repetition, presence, frequency = penalty
             apply_penalties(work, rows, slots, self.history, repetition, presence, frequency)
