@@ -3,10 +3,10 @@
 A row is cut into segments of SEGMENT logits, one program each, so that a batch of rows keeps every SM busy (one
 program per row leaves most of the GPU waiting on the latency of its loads). A segment's program writes its
 partials: maximum, mass relative to it, how many of its logits are >= the row's token's, and its `num_top` best
-(value, id) pairs, larger value first, smaller id first on ties. One program per row then combines them: the row
-maximum and mass give log Z; the ranks add up; the row's best `num_top` lie among the segments' bests, since a
-token beaten inside its segment by `num_top` others is beaten by as many in the row. Ties order by id, as a stable
-descending sort does.
+tokens as slots (`order_keys.py`: a logit and its id in one int64 whose order is larger logit, then smaller id, so
+one max reduction takes each). One program per row then combines them: the row maximum and mass give log Z; the
+ranks add up; the row's best `num_top` lie among the segments' bests, since a token beaten inside its segment by
+`num_top` others is beaten by as many in the row. Ties order by id, as a stable descending sort does.
 """
 from __future__ import annotations
 
@@ -14,29 +14,28 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.order_keys import NO_KEY, slot_key, slot_parts
+
 SEGMENT = 4096  # logits per program of the first kernel
 MAX_TOP = 32  # most top tokens a call may ask for (the partials are laid out for this many)
 
 
 @triton.jit
-def _take_best(values, ids, alive, count, num_top, MAX_TOP: tl.constexpr):
-    """The num_top largest alive values, smaller id first on ties, as [MAX_TOP] vectors (value -inf and id
-    `count` past num_top or past the alive lanes); `count` is above every id."""
+def _take_best(slots, num_top, MAX_TOP: tl.constexpr):
+    """The num_top largest of int64 slots (`order_keys.slot_key`: larger value, then smaller id, first) as a
+    [MAX_TOP] vector, NO_KEY past num_top: one max reduction per token taken."""
     index = tl.arange(0, MAX_TOP)
-    top_values = tl.full([MAX_TOP], float("-inf"), tl.float32)
-    top_ids = tl.full([MAX_TOP], count, tl.int64)
+    top = tl.full([MAX_TOP], NO_KEY, tl.int64)
     for i in range(num_top):
-        best = tl.max(tl.where(alive, values, float("-inf")), axis=0)
-        best_id = tl.min(tl.where(alive & (values == best), ids, count), axis=0)
-        top_values = tl.where(index == i, best, top_values)
-        top_ids = tl.where(index == i, best_id, top_ids)
-        alive = alive & (ids != best_id)
-    return top_values, top_ids
+        best = tl.max(slots, axis=0)
+        top = tl.where(index == i, best, top)
+        slots = tl.where(slots == best, NO_KEY, slots)  # slots are distinct: only the one taken
+    return top
 
 
 @triton.jit(do_not_specialize=["num_top"])  # one compile for every num_top (1 included)
-def _segment_kernel(logits, stride, token_ids, seg_max, seg_mass, seg_rank, seg_values, seg_ids, vocab, num_top,
-                    num_segments, SEGMENT: tl.constexpr, MAX_TOP: tl.constexpr):
+def _segment_kernel(logits, stride, token_ids, seg_max, seg_mass, seg_rank, seg_slots, vocab, num_top, num_segments,
+                    SEGMENT: tl.constexpr, MAX_TOP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     segment = tl.program_id(1)
     base = logits + row * stride
@@ -51,16 +50,13 @@ def _segment_kernel(logits, stride, token_ids, seg_max, seg_mass, seg_rank, seg_
     tl.store(seg_mass + out, mass)
     tl.store(seg_rank + out, tl.sum((valid & (x >= chosen)).to(tl.int32), axis=0))
     if num_top > 0:
-        values, ids = _take_best(x, cols.to(tl.int64), valid, vocab, num_top, MAX_TOP)
-        lanes = tl.arange(0, MAX_TOP)
-        tl.store(seg_values + out * MAX_TOP + lanes, values)
-        tl.store(seg_ids + out * MAX_TOP + lanes, ids)
+        best = _take_best(tl.where(valid, slot_key(x, cols), NO_KEY), num_top, MAX_TOP)
+        tl.store(seg_slots + out * MAX_TOP + tl.arange(0, MAX_TOP), best)
 
 
 @triton.jit(do_not_specialize=["num_top"])
-def _combine_kernel(logits, stride, token_ids, seg_max, seg_mass, seg_rank, seg_values, seg_ids, out_logprob,
-                    out_rank, top_ids, top_logprobs, vocab, num_top, num_segments, SEGMENTS: tl.constexpr,
-                    MAX_TOP: tl.constexpr):
+def _combine_kernel(logits, stride, token_ids, seg_max, seg_mass, seg_rank, seg_slots, out_logprob, out_rank,
+                    top_ids, top_logprobs, num_top, num_segments, SEGMENTS: tl.constexpr, MAX_TOP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     segments = tl.arange(0, SEGMENTS)
     valid = segments < num_segments
@@ -75,21 +71,16 @@ def _combine_kernel(logits, stride, token_ids, seg_max, seg_mass, seg_rank, seg_
     tl.store(out_rank + row, tl.sum(tl.load(seg_rank + partial, mask=valid, other=0), axis=0).to(tl.int64))
     if num_top > 0:
         lanes = tl.arange(0, MAX_TOP)
-        slots = partial[:, None] * MAX_TOP + lanes[None, :]
-        filled = valid[:, None] & (lanes[None, :] < num_top)
-        values = tl.load(seg_values + slots, mask=filled, other=float("-inf"))
-        ids = tl.load(seg_ids + slots, mask=filled, other=vocab).to(tl.int64)
-        flat: tl.constexpr = SEGMENTS * MAX_TOP
-        ids = tl.reshape(ids, [flat])
-        best, best_ids = _take_best(tl.reshape(values, [flat]), ids, tl.reshape(filled, [flat]) & (ids < vocab),
-                                    vocab, num_top, MAX_TOP)
+        slots = tl.load(seg_slots + partial[:, None] * MAX_TOP + lanes[None, :],
+                        mask=valid[:, None] & (lanes[None, :] < num_top), other=NO_KEY)
+        _, values, ids = slot_parts(_take_best(tl.reshape(slots, [SEGMENTS * MAX_TOP]), num_top, MAX_TOP))
         keep = lanes < num_top
-        tl.store(top_ids + row * num_top + lanes, best_ids, mask=keep)
-        tl.store(top_logprobs + row * num_top + lanes, best - log_z, mask=keep)
+        tl.store(top_ids + row * num_top + lanes, ids, mask=keep)
+        tl.store(top_logprobs + row * num_top + lanes, values - log_z, mask=keep)
 
 
-def logprobs_and_top(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int,
-                     segment: int = SEGMENT) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def logprobs_and_top(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int, segment: int = SEGMENT,
+                     num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits [rows, vocab] (unit stride along vocab), token_ids int64 [rows], 0 <= num_top <= MAX_TOP ->
     (float32 logprob of each token under log_softmax of the float32 logits, int64 rank, int64 top ids
     [rows, num_top] most likely first, float32 their logprobs), with no float32 copy of the logits."""
@@ -105,15 +96,13 @@ def logprobs_and_top(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
         return logprob, rank, top_ids, top_logprobs
     num_segments = triton.cdiv(vocab, segment)
     count = rows * num_segments
-    # the partials in one buffer: maxima, masses, ranks (int32), best values [count, MAX_TOP], best ids (int32)
-    partials = torch.empty(count * (3 + 2 * MAX_TOP), dtype=torch.float32, device=device)
-    seg_max, seg_mass, seg_rank, seg_values, seg_ids = partials.split([count, count, count, count * MAX_TOP,
-                                                                        count * MAX_TOP])
-    seg_rank, seg_ids = seg_rank.view(torch.int32), seg_ids.view(torch.int32)
-    _segment_kernel[(rows, num_segments)](logits, logits.stride(0), token_ids, seg_max, seg_mass, seg_rank, seg_values,
-                                          seg_ids, vocab, num_top, num_segments, SEGMENT=segment, MAX_TOP=MAX_TOP,
-                                          num_warps=4)
-    _combine_kernel[(rows,)](logits, logits.stride(0), token_ids, seg_max, seg_mass, seg_rank, seg_values, seg_ids,
-                             logprob, rank, top_ids, top_logprobs, vocab, num_top, num_segments,
+    seg_max, seg_mass, seg_rank = torch.empty(3, count, dtype=torch.float32, device=device)  # ranks: int32 bits
+    seg_rank = seg_rank.view(torch.int32)
+    seg_slots = torch.empty(count, MAX_TOP, dtype=torch.int64, device=device)
+    _segment_kernel[(rows, num_segments)](logits, logits.stride(0), token_ids, seg_max, seg_mass, seg_rank, seg_slots,
+                                          vocab, num_top, num_segments, SEGMENT=segment, MAX_TOP=MAX_TOP,
+                                          num_warps=num_warps)
+    _combine_kernel[(rows,)](logits, logits.stride(0), token_ids, seg_max, seg_mass, seg_rank, seg_slots, logprob,
+                             rank, top_ids, top_logprobs, num_top, num_segments,
                              SEGMENTS=triton.next_power_of_2(num_segments), MAX_TOP=MAX_TOP, num_warps=4)
     return logprob, rank, top_ids, top_logprobs

@@ -62,6 +62,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels import noise
+from nanovllm.kernels.order_keys import HALF, NO_KEY, key_of, slot_key, slot_parts, value_of
 
 # jit functions read module globals only as constexpr
 MIX_A = tl.constexpr(noise.MIX_A)
@@ -81,8 +82,6 @@ SEARCH_CAP = 512
 
 WIDE = tl.constexpr(-2)  # `out` of a row left by _sample_kernel to _sample_wide_kernel
 SEARCH = tl.constexpr(-3)  # a row whose bracket missed: the exact search finishes it
-NO_KEY = tl.constexpr(-9223372036854775808)  # below every scratch key
-HALF = tl.constexpr(2147483648)
 U_TOP = tl.constexpr(4294967296)  # above every key
 
 
@@ -112,36 +111,6 @@ def _gumbel(row_key, token):
     bits = _mix32(row_key ^ (token.to(tl.uint32) * tl.full([], GOLDEN, tl.uint32)))
     uniform = ((bits >> 9).to(tl.float32) * 2.0 + 1.0) * (1.0 / 16777216.0)
     return -tl.log(-tl.log(uniform))
-
-
-# ---- keys: 32-bit images of the logits whose integer order is the float order ----------------------------------
-
-
-@triton.jit
-def _key_of(values):
-    """int64 in [0, 2**32): the order of the fp32 values (-inf included)."""
-    bits = values.to(tl.int32, bitcast=True)
-    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64) + HALF
-
-
-@triton.jit
-def _value_of(keys):
-    ordered = (keys - HALF).to(tl.int32)
-    return tl.where(ordered < 0, ordered ^ 0x7FFFFFFF, ordered).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _slot_key(values, ids):
-    """A scratch slot: the value's key above the id's complement (a larger slot is a larger value, then a smaller
-    id); NO_KEY is below every slot."""
-    return ((_key_of(values) - HALF) << 32) | (0xFFFFFFFF - ids.to(tl.int64))
-
-
-@triton.jit
-def _slot_parts(slots):
-    """(value keys, values, ids) of scratch slots."""
-    keys = (slots >> 32) + HALF
-    return keys, _value_of(keys), 0xFFFFFFFF - (slots & 0xFFFFFFFF)
 
 
 @triton.jit
@@ -282,7 +251,7 @@ def _bracket_pass(base, vocab, a, b, floor, row_max, inv_t, row_key, scratch_row
         x, cols = _load(base, start, vocab, BLOCK)
         chosen = (x < b) & ((x > a) | (x == gathered_a))
         slot = tl.atomic_add(counter + tl.zeros_like(cols), 1, mask=chosen, sem="relaxed")
-        tl.store(scratch_row + slot, _slot_key(x, cols), mask=chosen & (slot < G))
+        tl.store(scratch_row + slot, slot_key(x, cols), mask=chosen & (slot < G))
         if ABOVE:
             above = x >= b
             above_count += above.to(tl.int32)
@@ -308,7 +277,7 @@ def _bracket_pass(base, vocab, a, b, floor, row_max, inv_t, row_key, scratch_row
 
 @triton.jit
 def _slot_weights(slots, valid, row_max, inv_t, BY_MASS: tl.constexpr):
-    keys, values, ids = _slot_parts(slots)
+    keys, values, ids = slot_parts(slots)
     if BY_MASS:
         weights = tl.where(valid, tl.exp((values - row_max) * inv_t), 0.0)
     else:
@@ -360,7 +329,7 @@ def _scratch_min(scratch_row, n, floor_key, CHUNK: tl.constexpr):
     smallest = tl.full([], float("inf"), tl.float32)
     for start in range(0, n, CHUNK):
         lanes = start + tl.arange(0, CHUNK)
-        keys, values, _ = _slot_parts(tl.load(scratch_row + lanes, mask=lanes < n, other=NO_KEY))
+        keys, values, _ = slot_parts(tl.load(scratch_row + lanes, mask=lanes < n, other=NO_KEY))
         smallest = tl.minimum(smallest, tl.min(tl.where((lanes < n) & (keys >= floor_key), values, float("inf")),
                                                axis=0))
     return smallest
@@ -373,7 +342,7 @@ def _scratch_draw(scratch_row, n, tau, inv_t, row_key, vocab, CHUNK: tl.constexp
     token = tl.full([], vocab, tl.int64)
     for start in range(0, n, CHUNK):
         lanes = start + tl.arange(0, CHUNK)
-        _, values, ids = _slot_parts(tl.load(scratch_row + lanes, mask=lanes < n, other=NO_KEY))
+        _, values, ids = slot_parts(tl.load(scratch_row + lanes, mask=lanes < n, other=NO_KEY))
         score = tl.where((lanes < n) & (values >= tau), values * inv_t + _gumbel(row_key, ids), float("-inf"))
         top = tl.max(score, axis=0)
         top_id = tl.min(tl.where(score == top, ids, vocab), axis=0)
@@ -389,9 +358,9 @@ def _finish(scratch_row, n, a, b, tie_count, tie_best, tie_token, above_count, a
     (count, winner), those at or above b (count, mass, winner over x >= max(b, tau_min)), and the row's total mass
     (top-p without top-k). Then the draw. Returns the token, or SEARCH when the bracket does not hold a threshold
     (below a, unless `covers_bottom`: nothing lies below a, or tau_min >= a: min-p decides; at or above b)."""
-    a_key = _key_of(a)
+    a_key = key_of(a)
     # W(top_key) is what lies at or above b (the count and mass the caller checks against the targets)
-    top_key = tl.minimum(_key_of(b), _key_of(row_max) + 1)
+    top_key = tl.minimum(key_of(b), key_of(row_max) + 1)
     tie_weight = tie_count.to(tl.float32)
     tie_mass = tl.where(tie_count > 0, tie_weight * tl.exp((a - row_max) * inv_t), 0.0)
     failed = tl.zeros([], dtype=tl.int32)  # 1: the bracket does not hold a threshold
@@ -403,7 +372,7 @@ def _finish(scratch_row, n, a, b, tie_count, tie_best, tie_token, above_count, a
             survivors_key = _scratch_select(scratch_row, n, a_key, top_key, k_target.to(tl.float32),
                                             above_count.to(tl.float32), a_key, tie_weight, row_max, inv_t, False,
                                             CHUNK, PIVOTS)
-            tau_k = _value_of(survivors_key)
+            tau_k = value_of(survivors_key)
     survivors = total_mass
     tau_p = tl.full([], float("-inf"), tl.float32)
     if topp_on & (failed == 0):
@@ -415,7 +384,7 @@ def _finish(scratch_row, n, a, b, tie_count, tie_best, tie_token, above_count, a
         if above_mass >= target:
             failed = tl.full([], 1, tl.int32)
         elif reach >= target:
-            tau_p = _value_of(_scratch_select(scratch_row, n, survivors_key, top_key, target, above_mass, a_key,
+            tau_p = value_of(_scratch_select(scratch_row, n, survivors_key, top_key, target, above_mass, a_key,
                                               tie_mass, row_max, inv_t, True, CHUNK, PIVOTS))
         elif covers_bottom:  # rounding left the whole mass short of the target: keep every survivor
             tau_p = tl.minimum(_scratch_min(scratch_row, n, survivors_key, CHUNK),
@@ -460,7 +429,7 @@ def _narrow_row(base, vocab, inv_t, k, p, topp_on, temperature, minimum_p, row_k
     lane_max = _lane_max_pass(base, vocab, BLOCK)
     row_max = tl.max(lane_max, axis=0)
     tau_min = _min_p_threshold(row_max, temperature, minimum_p)
-    a = _value_of(_select(_key_of(lane_max), tl.full([BLOCK], 1.0, tl.float32), k.to(tl.float32)))
+    a = value_of(_select(key_of(lane_max), tl.full([BLOCK], 1.0, tl.float32), k.to(tl.float32)))
     # Tokens above a lie in the < k lanes whose maximum exceeds a; those tied at a are counted instead of gathered
     # when more than NARROW lanes reach a (else those lanes bound them).
     ties = (tl.sum((lane_max >= a).to(tl.int32), axis=0) > NARROW) & (a > float("-inf"))
@@ -508,9 +477,9 @@ def _rank_bracket(keys, ones, sample, count, lo_rank, hi_rank):
     largest, so that at most hi_rank samples lie at or above it, +inf when hi_rank < 1; that (hi_rank + 1)-th
     largest)."""
     lo_key, below_key = _select_pair(keys, ones, tl.maximum(lo_rank, 1.0), keys, ones, tl.maximum(hi_rank + 1.0, 1.0))
-    below = _value_of(below_key)
+    below = value_of(below_key)
     b = tl.min(tl.where(sample > below, sample, float("inf")), axis=0)
-    return (tl.where(lo_rank > count, float("-inf"), _value_of(lo_key)), tl.where(hi_rank < 1.0, float("inf"), b),
+    return (tl.where(lo_rank > count, float("-inf"), value_of(lo_key)), tl.where(hi_rank < 1.0, float("inf"), b),
             below)
 
 
@@ -541,11 +510,11 @@ def _wide_bracket(lane_max, sample, row_max, inv_t, finite, total_mass, k_target
     valid = sample > float("-inf")
     ones = valid.to(tl.float32)
     count = tl.sum(ones, axis=0)
-    keys = _key_of(sample)
+    keys = key_of(sample)
     sample_mass = tl.where(valid, tl.exp((sample - row_max) * inv_t), 0.0)
     per_sample = finite.to(tl.float32) / count
     widest = 0.3 * G / per_sample
-    lane_keys = _key_of(lane_max)
+    lane_keys = key_of(lane_max)
     a = tl.full([], float("-inf"), tl.float32)
     b = tl.full([], float("inf"), tl.float32)
     below_b = tl.full([], float("-inf"), tl.float32)
@@ -558,13 +527,13 @@ def _wide_bracket(lane_max, sample, row_max, inv_t, finite, total_mass, k_target
         lane_key, estimate = _select_pair(lane_keys, tl.full([BLOCK], 1.0, tl.float32), k_target.to(tl.float32),
                                           keys, ones, tl.maximum(rank, 1.0))
         if k_target <= BLOCK:  # at least k tokens lie at or above the k-th largest lane maximum
-            a = tl.maximum(a, _value_of(lane_key))
+            a = tl.maximum(a, value_of(lane_key))
         survivors = tl.sum(tl.where(keys >= estimate, sample_mass, 0.0), axis=0)
     if topp_on:
         # mass(x >= v) >= the mass of the lane maxima >= v, and the survivors' mass <= the row's: tau_p >= lowest
         lane_mass = tl.where(lane_max > float("-inf"), tl.exp((lane_max - row_max) * inv_t), 0.0)
         threshold, lowest_key = _select_pair(keys, sample_mass, p * survivors, lane_keys, lane_mass, p * total_mass)
-        lowest = tl.where(tl.sum(lane_mass, axis=0) >= p * total_mass, _value_of(lowest_key), float("-inf"))
+        lowest = tl.where(tl.sum(lane_mass, axis=0) >= p * total_mass, value_of(lowest_key), float("-inf"))
         # no sampled mass (all of it above the samples, or underflowed): the threshold lies above every sample
         threshold = tl.where(survivors > 0.0, threshold, U_TOP)
         squares = tl.sum(sample_mass * sample_mass, axis=0)
@@ -579,7 +548,7 @@ def _wide_bracket(lane_max, sample, row_max, inv_t, finite, total_mass, k_target
         tail_key = tl.where(survivors > allowed, _select(keys, sample_mass, survivors - allowed),
                             tl.min(tl.where(valid, keys, U_TOP), axis=0))
         tail_squares = tl.sum(tl.where(keys < tail_key, sample_mass * sample_mass, 0.0), axis=0)
-        tail_weight = tl.exp((_value_of(tail_key) - row_max) * inv_t)
+        tail_weight = tl.exp((value_of(tail_key) - row_max) * inv_t)
         tail_spread = tl.where(tail_weight > 0.0, 6.0 * tl.sqrt(tail_squares) / tail_weight + 8.0, float("inf"))
         use_tail = (tail_spread < spread) & (topk_on == 0) & (survivors > 0.0)
         threshold = tl.where(use_tail, tail_key, threshold)
@@ -594,7 +563,7 @@ def _wide_bracket(lane_max, sample, row_max, inv_t, finite, total_mass, k_target
             a = tl.maximum(a_p, lowest)
             b = b_p
             below_b = below_p
-            estimate = _value_of(threshold)
+            estimate = value_of(threshold)
             tied = tl.sum(tl.where(sample == estimate, ones, 0.0), axis=0)
             if (survivors > 0.0) & (tied * per_sample > 0.25 * G):
                 # The estimate is the value of a large tie group (low-precision logits), which a bracket of
@@ -618,7 +587,7 @@ def _wide_bracket(lane_max, sample, row_max, inv_t, finite, total_mass, k_target
                 a = tl.maximum(a, lowest)
                 below_b = tl.max(tl.where(sample < b, sample, float("-inf")), axis=0)
             above_min = tl.sum(tl.where(sample >= tau_min, ones, 0.0), axis=0)
-            if (_value_of(threshold) < tau_min) & _fits(above_min, per_sample, 0.3 * G):
+            if (value_of(threshold) < tau_min) & _fits(above_min, per_sample, 0.3 * G):
                 a = tau_min
                 b = tl.full([], float("inf"), tl.float32)
                 below_b = b
@@ -783,12 +752,12 @@ def _gather_sorted(base, vocab, lo, hi, scratch_row, counter, BLOCK: tl.constexp
         x, cols = _load(base, start, vocab, BLOCK)
         chosen = (x >= lo) & (x < hi)
         slot = tl.atomic_add(counter + tl.zeros_like(cols), 1, mask=chosen, sem="relaxed")
-        tl.store(scratch_row + slot, _slot_key(x, cols), mask=chosen & (slot < CAP))
+        tl.store(scratch_row + slot, slot_key(x, cols), mask=chosen & (slot < CAP))
     tl.debug_barrier()
     filled = tl.atomic_add(counter, 0, sem="relaxed")
     lanes = tl.arange(0, CAP)
     slots = tl.sort(tl.load(scratch_row + lanes, mask=lanes < filled, other=NO_KEY), descending=True)
-    _, values, ids = _slot_parts(slots)
+    _, values, ids = slot_parts(slots)
     return values, ids, lanes < filled
 
 
