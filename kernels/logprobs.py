@@ -16,8 +16,11 @@ import triton.language as tl
 
 from nanovllm.kernels.order_keys import NO_KEY, slot_key, slot_parts
 
-SEGMENT = 4096  # logits per program of the first kernel
-MAX_TOP = 32  # most top tokens a call may ask for (the partials are laid out for this many)
+SEGMENT = 1024  # logits per program of the first kernel, one warp each: its reductions need no barrier
+SEGMENT_WARPS = 1
+# Most top tokens a call may ask for (the partials are laid out for this many): each costs every segment a
+# reduction, so past a few a radix top-k over the row (torch.topk) is faster.
+MAX_TOP = 8
 
 
 @triton.jit
@@ -80,7 +83,7 @@ def _combine_kernel(logits, stride, token_ids, seg_max, seg_mass, seg_rank, seg_
 
 
 def logprobs_and_top(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int, segment: int = SEGMENT,
-                     num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                     num_warps: int = SEGMENT_WARPS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits [rows, vocab] (unit stride along vocab), token_ids int64 [rows], 0 <= num_top <= MAX_TOP ->
     (float32 logprob of each token under log_softmax of the float32 logits, int64 rank, int64 top ids
     [rows, num_top] most likely first, float32 their logprobs), with no float32 copy of the logits."""

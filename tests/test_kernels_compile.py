@@ -59,11 +59,11 @@ build(P2._penalties_kernel, signature, {"BLOCK": 1024}, 4, ["logits", "stride"])
 segment_args = LP._segment_kernel.arg_names[:10]
 signature = dict(zip(segment_args, ["*bf16", "i32", "*i64", "*fp32", "*fp32", "*i32", "*i64", "i32", "i32", "i32"]),
                  SEGMENT="constexpr", MAX_TOP="constexpr")
-build(LP._segment_kernel, signature, {"SEGMENT": LP.SEGMENT, "MAX_TOP": LP.MAX_TOP}, 4, segment_args)
+build(LP._segment_kernel, signature, {"SEGMENT": LP.SEGMENT, "MAX_TOP": LP.MAX_TOP}, LP.SEGMENT_WARPS, segment_args)
 combine_args = LP._combine_kernel.arg_names[:13]
 signature = dict(zip(combine_args, ["*bf16", "i32", "*i64", "*fp32", "*fp32", "*i32", "*i64", "*fp32", "*i64", "*i64",
                                     "*fp32", "i32", "i32"]), SEGMENTS="constexpr", MAX_TOP="constexpr")
-build(LP._combine_kernel, signature, {"SEGMENTS": 64, "MAX_TOP": LP.MAX_TOP}, 4, combine_args)
+build(LP._combine_kernel, signature, {"SEGMENTS": 256, "MAX_TOP": LP.MAX_TOP}, 4, combine_args)
 for kernel, types, constexprs in (
         (C._record_kernel, ["*i64"] * 3 + ["*i32", "i32", "*i1", "i32", "*i32", "i32", "*i32", "*i64", "i32", "*i64"],
          {"WINDOW_BLOCK": 8}),

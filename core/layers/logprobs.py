@@ -31,18 +31,21 @@ def _torch_stats(logits: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.T
 
 def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> TokenLogprobs:
     """logits [rows, vocab] any float dtype, token_ids int64 [rows] -> each token's logprob and rank, and the
-    num_top most likely tokens with their logprobs (num_top may be 0). Two short kernels on CUDA
-    (`nanovllm.kernels.logprobs`, up to its MAX_TOP; ties there: the smaller id first), torch elsewhere; float32
-    throughout."""
+    num_top most likely tokens with their logprobs (num_top may be 0). On CUDA two short kernels
+    (`nanovllm.kernels.logprobs`) give the logprobs and ranks, and the top tokens up to its MAX_TOP (ties: the
+    smaller id first), a top-k beyond; torch elsewhere. float32 throughout."""
     if not 0 <= num_top <= logits.shape[1]:
         raise ValueError(f"num_top must be in [0, {logits.shape[1]}], got {num_top}")
     if logits.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         from nanovllm.kernels.logprobs import MAX_TOP, logprobs_and_top
+        result = TokenLogprobs(*logprobs_and_top(logits, token_ids, num_top if num_top <= MAX_TOP else 0))
         if num_top <= MAX_TOP:
-            return TokenLogprobs(*logprobs_and_top(logits, token_ids, num_top))
-    logprobs, ranks = _torch_stats(logits, token_ids)
+            return result
+        logprobs, ranks = result.logprobs, result.ranks
+    else:
+        logprobs, ranks = _torch_stats(logits, token_ids)
     top_values, top_ids = logits.topk(num_top, dim=-1)
-    # log p = x - logsumexp = x - (x_token - log p_token): the row's normaliser from the pass above
+    # log p = x - logsumexp = x - (x_token - log p_token): the row's normaliser from its token's logprob
     normaliser = logits.gather(1, token_ids.unsqueeze(1)).float() - logprobs.unsqueeze(1)
     return TokenLogprobs(logprobs=logprobs, ranks=ranks, top_ids=top_ids, top_logprobs=top_values.float() - normaliser)
 
