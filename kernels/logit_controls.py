@@ -71,7 +71,8 @@ def _batch_index_kernel(batch_rows, num_batch_rows, inverse, num_rows, BLOCK: tl
 
 
 def batch_index_map(batch_rows: torch.Tensor, num_rows: int, block: int = 1024) -> torch.Tensor:
-    """int64 [num_rows]: for each persistent row its index in `batch_rows` (distinct rows), or -1."""
+    """int64 [num_rows]: for each persistent row its index in `batch_rows` (distinct rows, but for a padded
+    step's padding row, which holds no controls: any of its indices), or -1."""
     inverse = torch.empty(num_rows, dtype=torch.int64, device=batch_rows.device)
     _batch_index_kernel[(1,)](batch_rows, len(batch_rows), inverse, num_rows, BLOCK=block, num_warps=4)
     return inverse

@@ -36,7 +36,8 @@ def _take_best(slots, num_top, MAX_TOP: tl.constexpr):
     return top
 
 
-@triton.jit(do_not_specialize=["num_top"])  # one compile for every num_top (1 included)
+# One compile for every num_top (1 included) and for token ids at any offset (a prompt's chunk of them).
+@triton.jit(do_not_specialize=["token_ids", "num_top"])
 def _segment_kernel(logits, stride, token_ids, seg_max, seg_mass, seg_rank, seg_slots, vocab, num_top, num_segments,
                     SEGMENT: tl.constexpr, MAX_TOP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -57,9 +58,10 @@ def _segment_kernel(logits, stride, token_ids, seg_max, seg_mass, seg_rank, seg_
         tl.store(seg_slots + out * MAX_TOP + tl.arange(0, MAX_TOP), best)
 
 
-@triton.jit(do_not_specialize=["num_top"])
+@triton.jit(do_not_specialize=["token_ids", "num_top"])
 def _combine_kernel(logits, stride, token_ids, seg_max, seg_mass, seg_rank, seg_slots, out_logprob, out_rank,
-                    top_ids, top_logprobs, num_top, num_segments, SEGMENTS: tl.constexpr, MAX_TOP: tl.constexpr):
+                    out_log_z, top_ids, top_logprobs, num_top, num_segments, SEGMENTS: tl.constexpr,
+                    MAX_TOP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     segments = tl.arange(0, SEGMENTS)
     valid = segments < num_segments
@@ -71,6 +73,7 @@ def _combine_kernel(logits, stride, token_ids, seg_max, seg_mass, seg_rank, seg_
     log_z = shift + tl.log(tl.sum(tl.where(masses > 0.0, masses * tl.exp(tops - shift), 0.0), axis=0))
     chosen = tl.load(logits + row * stride + tl.load(token_ids + row)).to(tl.float32)
     tl.store(out_logprob + row, chosen - log_z)
+    tl.store(out_log_z + row, log_z)
     tl.store(out_rank + row, tl.sum(tl.load(seg_rank + partial, mask=valid, other=0), axis=0).to(tl.int64))
     if num_top > 0:
         lanes = tl.arange(0, MAX_TOP)
@@ -83,29 +86,33 @@ def _combine_kernel(logits, stride, token_ids, seg_max, seg_mass, seg_rank, seg_
 
 
 def logprobs_and_top(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int, segment: int = SEGMENT,
-                     num_warps: int = SEGMENT_WARPS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                     num_warps: int = SEGMENT_WARPS) -> tuple[torch.Tensor, ...]:
     """logits [rows, vocab] (unit stride along vocab), token_ids int64 [rows], 0 <= num_top <= MAX_TOP ->
     (float32 logprob of each token under log_softmax of the float32 logits, int64 rank, int64 top ids
-    [rows, num_top] most likely first, float32 their logprobs), with no float32 copy of the logits."""
+    [rows, num_top] most likely first, float32 their logprobs, float32 each row's log Z), with no float32 copy
+    of the logits."""
     rows, vocab = logits.shape
     assert logits.stride(1) == 1, "logits must be contiguous along the vocabulary"
     assert 0 <= num_top <= min(MAX_TOP, vocab), num_top
     device = logits.device
     logprob = torch.empty(rows, dtype=torch.float32, device=device)
     rank = torch.empty(rows, dtype=torch.int64, device=device)
+    log_z = torch.empty(rows, dtype=torch.float32, device=device)
     top_ids = torch.empty(rows, num_top, dtype=torch.int64, device=device)
     top_logprobs = torch.empty(rows, num_top, dtype=torch.float32, device=device)
     if rows == 0:
-        return logprob, rank, top_ids, top_logprobs
+        return logprob, rank, top_ids, top_logprobs, log_z
     num_segments = triton.cdiv(vocab, segment)
     count = rows * num_segments
-    seg_max, seg_mass, seg_rank = torch.empty(3, count, dtype=torch.float32, device=device)  # ranks: int32 bits
+    # maxima, masses and ranks (int32 bits) in one buffer whose rows start 16-byte aligned whatever the count:
+    # Triton compiles a variant per pointer alignment, which the batch's row count would otherwise pick
+    seg_max, seg_mass, seg_rank = torch.empty(3, -(-count // 4) * 4, dtype=torch.float32, device=device)[:, :count]
     seg_rank = seg_rank.view(torch.int32)
-    seg_slots = torch.empty(count, MAX_TOP, dtype=torch.int64, device=device)
+    seg_slots = torch.empty(count if num_top else 0, MAX_TOP, dtype=torch.int64, device=device)
     _segment_kernel[(rows, num_segments)](logits, logits.stride(0), token_ids, seg_max, seg_mass, seg_rank, seg_slots,
                                           vocab, num_top, num_segments, SEGMENT=segment, MAX_TOP=MAX_TOP,
                                           num_warps=num_warps)
     _combine_kernel[(rows,)](logits, logits.stride(0), token_ids, seg_max, seg_mass, seg_rank, seg_slots, logprob,
-                             rank, top_ids, top_logprobs, num_top, num_segments,
+                             rank, log_z, top_ids, top_logprobs, num_top, num_segments,
                              SEGMENTS=triton.next_power_of_2(num_segments), MAX_TOP=MAX_TOP, num_warps=4)
-    return logprob, rank, top_ids, top_logprobs
+    return logprob, rank, top_ids, top_logprobs, log_z

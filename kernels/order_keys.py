@@ -1,6 +1,7 @@
 """Integer images of float32 logits whose order is the float order, for selections and sorts in Triton.
 
-A logit's key is an int64 in [0, 2**32) (-inf included); a slot packs a key above an id's complement into one
+A logit's key is an int64 in [0, 2**32) (-inf included; -0.0 orders just below +0.0, where float comparison
+calls them equal); a slot packs a key above an id's complement into one
 int64, so that the largest slot is the largest logit and, among equal logits, the smallest id: one max reduction
 finds both, and a sort orders (logit descending, id ascending)."""
 from __future__ import annotations

@@ -60,13 +60,14 @@ segment_args = LP._segment_kernel.arg_names[:10]
 signature = dict(zip(segment_args, ["*bf16", "i32", "*i64", "*fp32", "*fp32", "*i32", "*i64", "i32", "i32", "i32"]),
                  SEGMENT="constexpr", MAX_TOP="constexpr")
 build(LP._segment_kernel, signature, {"SEGMENT": LP.SEGMENT, "MAX_TOP": LP.MAX_TOP}, LP.SEGMENT_WARPS, segment_args)
-combine_args = LP._combine_kernel.arg_names[:13]
-signature = dict(zip(combine_args, ["*bf16", "i32", "*i64", "*fp32", "*fp32", "*i32", "*i64", "*fp32", "*i64", "*i64",
-                                    "*fp32", "i32", "i32"]), SEGMENTS="constexpr", MAX_TOP="constexpr")
+combine_args = LP._combine_kernel.arg_names[:14]
+signature = dict(zip(combine_args, ["*bf16", "i32", "*i64", "*fp32", "*fp32", "*i32", "*i64", "*fp32", "*i64", "*fp32",
+                                    "*i64", "*fp32", "i32", "i32"]), SEGMENTS="constexpr", MAX_TOP="constexpr")
 build(LP._combine_kernel, signature, {"SEGMENTS": 256, "MAX_TOP": LP.MAX_TOP}, 4, combine_args)
+build(C._record_kernel, dict(zip(C._record_kernel.arg_names, ["*i64"] * 3 + [
+    "*i32", "i32", "*i1", "i32", "*i32", "i32", "*i32", "*i64", "i32", "*i64"]), WINDOW_BLOCK="constexpr"),
+      {"WINDOW_BLOCK": 8}, 1, [])  # one warp, as it runs
 for kernel, types, constexprs in (
-        (C._record_kernel, ["*i64"] * 3 + ["*i32", "i32", "*i1", "i32", "*i32", "i32", "*i32", "*i64", "i32", "*i64"],
-         {"WINDOW_BLOCK": 8}),
         (C._batch_index_kernel, ["*i64", "i32", "*i64", "i32"], {"BLOCK": 1024}),
         (C._bad_words_kernel, ["*fp32", "i32"] + ["*i64"] * 5 + ["i32", "*i64", "i32"],
          {"BLOCK": C.WORD_BLOCK, "WINDOW_BLOCK": 8}),

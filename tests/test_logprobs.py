@@ -61,27 +61,42 @@ def stable_top(logits, num_top):
 
 @pytest.mark.parametrize("num_top", [0, 1, 5, 8])
 def test_logprob_kernels_equal_torch(num_top):
-    """The two-kernel path (segments, then their combination) on rows that stress it: a segment of -inf only,
-    ties across segments, fewer finite logits than num_top, a token that is -inf."""
+    """The two-kernel path (segments, then their combination) on rows that stress it: a segment of -inf only, a
+    tied top spread over segments, fewer finite logits than num_top, a sampled token that is -inf."""
     pytest.importorskip("triton")
     from nanovllm.kernels.logprobs import logprobs_and_top
 
     generator = torch.Generator().manual_seed(4)
-    logits = (torch.randn(5, 1000, generator=generator) * 5).to(torch.bfloat16)
+    logits = (torch.randn(6, 1000, generator=generator) * 5).to(torch.bfloat16)
     logits[1, :300] = float("-inf")
-    logits[2] = 1.0  # every token tied but one: the top is token 7, then ids 0, 1, 2, ... across segments
-    logits[2, 7] = 2.0
+    logits[2] = 0.5  # a tie at the top across the four segments of 256: ids 3, 300, 600, 900, then 0, 1, 2, ...
+    logits[2, [900, 600, 300, 3]] = 1.0
     logits[3, 10:] = float("-inf")
-    token_ids = torch.randint(300, 1000, (5,), generator=generator)
+    logits[4, 5:] = float("-inf")  # 5 finite logits: the 6th top token onwards is -inf, the smaller id first
+    token_ids = torch.randint(300, 1000, (6,), generator=generator)
+    token_ids[5] = 7
+    logits[5, 7] = float("-inf")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    logprob, rank, top_ids, top_logprobs = logprobs_and_top(logits.to(device), token_ids.to(device), num_top,
-                                                            segment=256)
+    logprob, rank, top_ids, top_logprobs, log_z = logprobs_and_top(logits.to(device), token_ids.to(device), num_top,
+                                                                   segment=256)
     chosen, ranks, _ = expected(logits.float(), token_ids, 1)
     torch.testing.assert_close(logprob.cpu().double(), chosen, atol=1e-5, rtol=0)
     assert torch.equal(rank.cpu(), ranks)
+    torch.testing.assert_close(log_z.cpu().double(), torch.logsumexp(logits.double(), dim=-1), atol=1e-5, rtol=0)
     want_ids, want_values = stable_top(logits.float(), num_top)
     assert torch.equal(top_ids.cpu(), want_ids)
     torch.testing.assert_close(top_logprobs.cpu().double(), want_values, atol=1e-5, rtol=0)
+    if num_top == 8:
+        assert top_ids[2, :4].tolist() == [3, 300, 600, 900] and top_ids[4, 5:].tolist() == [5, 6, 7]
+
+
+def test_a_sampled_token_of_minus_infinity_leaves_the_top_logprobs_finite():
+    """A structured mask can leave the sampled token's raw logit at -inf: its logprob is -inf, and the row's top
+    tokens keep their logprobs (log Z comes from the row, not from the token)."""
+    logits = torch.tensor([[2.0, 1.0, float("-inf"), 0.5]])
+    result = compute_logprobs(logits, torch.tensor([2]), num_top=2)
+    assert result.logprobs.item() == float("-inf")
+    torch.testing.assert_close(result.top_logprobs, torch.log_softmax(logits, dim=-1)[:, :2])
 
 
 @pytest.mark.gpu

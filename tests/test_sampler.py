@@ -239,12 +239,19 @@ def test_gpu_warm_up_leaves_nothing_to_compile_for_a_step():
     prefixes, banned = logit_controls.pack_bad_words([[5, 6, 7], [9], [8]], logit_controls.HISTORY_WINDOW)
     logit_controls.apply_bad_words(logits, index, ids(5, 5, 11), ids(3, 3, 3), prefixes.to(device), banned.to(device),
                                    history)
-    logit_controls.apply_min_tokens(logits, index, ids(0, 0, 1), ids(2, 3, 2), ids(4, 4, 4), ids(*range(6)))
-    logit_controls.apply_logit_bias(logits, index, ids(7, 7, 3), ids(10, 11, 10), ids(1.0, 2.0, 3.0))
+    # entry counts of every specialization class Triton has for integers: 1 (a constant), multiples of 16, others
+    for count in (1, 3, 16):
+        rows_of = ids(*[7] * count)
+        logit_controls.apply_min_tokens(logits, index, rows_of, ids(*range(2, 2 + count)), ids(*[4] * count),
+                                        ids(*range(6)))
+        logit_controls.apply_logit_bias(logits, index, rows_of, ids(*range(10, 10 + count)), ids(*[1.0] * count))
     logit_controls.apply_penalties(logits, ids(2), ids(3), history, *(torch.ones(1, device=device),) * 3)
     history.record(ids(3, 4), logits.argmax(dim=-1), ids(2, 0))
-    raw = torch.randn(3, vocab, device=device, dtype=torch.bfloat16)
+    raw = torch.randn(5, vocab, device=device, dtype=torch.bfloat16)
+    tokens = raw.argmax(dim=-1)
     from nanovllm.layers.logprobs import compute_logprobs
-    compute_logprobs(raw, raw.argmax(dim=-1), 2)
+    for rows_asking in (1, 2, 4):  # the partials' sizes, whose pointers' alignment once followed the row count
+        for num_top in (0, 1, 2):
+            compute_logprobs(raw[:rows_asking], tokens[1:1 + rows_asking], num_top)  # token ids at an odd offset
     torch.cuda.synchronize()
     assert [compiled_variants(kernel) for kernel in kernels] == before

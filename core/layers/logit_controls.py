@@ -50,8 +50,8 @@ def _use_kernel(tensor: torch.Tensor) -> bool:
 
 
 def batch_index_of(batch_rows: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """Inverse of a step's row list (distinct persistent row ids): for each persistent row id its batch index this
-    step, or -1 (device op)."""
+    """Inverse of a step's row list (distinct persistent row ids, but for a padded step's padding row, which holds
+    no controls): for each persistent row id its batch index this step, or -1 (device op)."""
     if _use_kernel(batch_rows):
         from nanovllm.kernels.logit_controls import batch_index_map
         return batch_index_map(batch_rows, num_rows)
@@ -194,10 +194,12 @@ def apply_allowed_tokens(logits: torch.Tensor, batch_index: torch.Tensor, allowe
                          bitmask: torch.Tensor) -> None:
     """Persistent rows allowing only some tokens (allowed_rows bool [r]; bitmask int32 [r, words], row i from
     `allowed_bitmask`): in the batch row of each that the step holds, every token its bitmask leaves out gets
-    -inf, as a structured output's mask does (one launch over the allowing rows on CUDA)."""
-    from nanovllm.kernels.token_bitmask import apply_token_bitmask
+    -inf, as a structured output's mask does (on CUDA the mask kernel, whose programs for the other rows return
+    at once)."""
+    from nanovllm.kernels.token_bitmask import apply_token_bitmask_torch, apply_token_bitmask_triton
     _check_float32(logits)
-    apply_token_bitmask(logits, bitmask, torch.where(allowed_rows, batch_index[:len(allowed_rows)], -1))
+    apply = apply_token_bitmask_triton if _use_kernel(logits) else apply_token_bitmask_torch
+    apply(logits, bitmask, torch.where(allowed_rows, batch_index[:len(allowed_rows)], -1))
 
 
 def _ban_where(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor, ban: torch.Tensor) -> None:

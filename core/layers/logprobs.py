@@ -22,11 +22,12 @@ class TokenLogprobs:
     top_logprobs: torch.Tensor  # float32 [rows, num_top]
 
 
-def _torch_stats(logits: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _torch_stats(logits: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(each token's logprob, its rank, each row's log Z)."""
     logits = logits.float()
     chosen = logits.gather(1, token_ids.unsqueeze(1))
-    logprobs = (chosen - torch.logsumexp(logits, dim=-1, keepdim=True)).squeeze(1)
-    return logprobs, (logits >= chosen).sum(dim=-1)
+    log_z = torch.logsumexp(logits, dim=-1)
+    return (chosen.squeeze(1) - log_z), (logits >= chosen).sum(dim=-1), log_z
 
 
 def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> TokenLogprobs:
@@ -38,16 +39,15 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
         raise ValueError(f"num_top must be in [0, {logits.shape[1]}], got {num_top}")
     if logits.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         from nanovllm.kernels.logprobs import MAX_TOP, logprobs_and_top
-        result = TokenLogprobs(*logprobs_and_top(logits, token_ids, num_top if num_top <= MAX_TOP else 0))
+        logprobs, ranks, top_ids, top_logprobs, log_z = logprobs_and_top(logits, token_ids,
+                                                                        num_top if num_top <= MAX_TOP else 0)
         if num_top <= MAX_TOP:
-            return result
-        logprobs, ranks = result.logprobs, result.ranks
+            return TokenLogprobs(logprobs=logprobs, ranks=ranks, top_ids=top_ids, top_logprobs=top_logprobs)
     else:
-        logprobs, ranks = _torch_stats(logits, token_ids)
+        logprobs, ranks, log_z = _torch_stats(logits, token_ids)
     top_values, top_ids = logits.topk(num_top, dim=-1)
-    # log p = x - logsumexp = x - (x_token - log p_token): the row's normaliser from its token's logprob
-    normaliser = logits.gather(1, token_ids.unsqueeze(1)).float() - logprobs.unsqueeze(1)
-    return TokenLogprobs(logprobs=logprobs, ranks=ranks, top_ids=top_ids, top_logprobs=top_values.float() - normaliser)
+    return TokenLogprobs(logprobs=logprobs, ranks=ranks, top_ids=top_ids,
+                         top_logprobs=top_values.float() - log_z.unsqueeze(1))
 
 
 def chunked_logprobs(logits_of: Callable[[int, int], torch.Tensor | None], token_ids: torch.Tensor, num_top: int,

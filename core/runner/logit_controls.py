@@ -40,7 +40,7 @@ class _EntryPool:
     a leaving row's entries are pointed at `dead_row`, a persistent row no step holds, so they do nothing (one
     fill). A join or a leave thus costs that row's entries, never the other running rows' (a stream of rows
     joining and leaving at every step would otherwise rebuild every row's lists at every step); the pool is
-    rebuilt from the live rows only when the appended entries reach its capacity, which it then sets to twice the
+    rebuilt from the live rows only when a row's entries would pass its capacity, which it then sets to twice the
     live entries."""
 
     def __init__(self, device: torch.device, dead_row: int, dtypes: tuple[torch.dtype, ...]):
